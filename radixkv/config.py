@@ -37,7 +37,11 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2).
+
+    `attention_bias`: the q/k/v projections carry a bias; `attention_out_bias`: o_proj does.
+    Llama's `attention_bias` sets both; Qwen2 has the first only.
+    """
 
     architecture: str
     vocab_size: int
@@ -52,6 +56,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    attention_out_bias: bool = False
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

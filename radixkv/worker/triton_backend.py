@@ -1,0 +1,23 @@
+"""The Triton backend: the paged-attention ops of `radixkv.kernels`, run as Triton kernels.
+
+`radixkv.worker.attention.select_backend` picks it for CUDA tensors or when
+RADIXKV_ATTENTION=triton. On CPU tensors the kernels only run under TRITON_INTERPRET=1
+(set before triton is imported), which the tests use; it is slow and meant for checking.
+"""
+
+from __future__ import annotations
+
+from radixkv.kernels.copy_blocks import copy_blocks
+from radixkv.kernels.paged_decode import paged_decode
+from radixkv.kernels.paged_prefill import paged_prefill
+from radixkv.kernels.store_kv import store_kv
+
+
+class TritonBackend:
+    """Triton kernels with the signatures of `radixkv.kernels.reference`."""
+
+    name = "triton"
+    store_kv = staticmethod(store_kv)
+    paged_decode = staticmethod(paged_decode)
+    paged_prefill = staticmethod(paged_prefill)
+    copy_blocks = staticmethod(copy_blocks)

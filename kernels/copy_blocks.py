@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .store_kv import check_float, check_index
+from .store_kv import check_float, check_index, check_runnable
 
 _CHUNK = 1024
 
@@ -68,6 +68,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_pairs: torch.Tensor) -> None:
         )
     if block_pairs.shape[0] == 0:
         return
+    check_runnable(_copy_blocks_kernel, kv_cache.device)
     _check_pairs(block_pairs.tolist(), num_blocks)
     pairs = block_pairs.to(device=kv_cache.device, dtype=torch.int64).contiguous()
     _copy_blocks_kernel[(pairs.shape[0], num_layers * 2)](

@@ -34,6 +34,7 @@ from .store_kv import (
     check_index,
     check_kv_cache,
     check_rows,
+    check_runnable,
     check_same_device,
 )
 
@@ -81,6 +82,11 @@ def choose_num_splits(
     return 1 << (wanted.bit_length() - 1)
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """Exact fp32 products for fp32 caches (tf32 would lose bits); half dtypes ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def check_attention_inputs(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -126,6 +132,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,13 +175,14 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
             + dims[None, :],
             mask=kv_mask, other=0.0,
         )
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # (GROUP_PAD, TILE_N)
+        # (GROUP_PAD, TILE_N)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_tokens = l_i > 0.0
@@ -252,6 +260,7 @@ def paged_decode(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
+    check_runnable(_paged_decode_kernel, query.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if tiling is None:
         tiling = default_tiling(query.device, block_size)
@@ -285,6 +294,7 @@ def paged_decode(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tiling.tile_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if num_splits > 1:

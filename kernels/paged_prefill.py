@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import LOG2E, check_attention_inputs
-from .store_kv import check_index, check_same_device
+from .paged_decode import LOG2E, check_attention_inputs, dot_precision
+from .store_kv import check_index, check_runnable, check_same_device
 
 
 @triton.jit
@@ -40,6 +40,7 @@ def _attend_tiles(  # type: ignore[no-untyped-def]
     stride_k_b, stride_k_t, stride_v_b, stride_v_t,
     dims, dim_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     for tile_start in range(kv_start, kv_stop, TILE_N):
         keys = tile_start + tl.arange(0, TILE_N)
@@ -61,7 +62,8 @@ def _attend_tiles(  # type: ignore[no-untyped-def]
             + dims[None, :],
             mask=kv_mask, other=0.0,
         )
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # (BLOCK_M, TILE_N)
+        # (BLOCK_M, TILE_N)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL:
             visible = (keys[None, :] <= q_pos[:, None]) & key_mask[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -69,7 +71,7 @@ def _attend_tiles(  # type: ignore[no-untyped-def]
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -85,7 +87,7 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     stride_o_t, stride_o_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -132,13 +134,13 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
             acc, m_i, l_i, q, k_head, v_head, table, q_pos,
             0, unmasked_end, kv_end, scale_log2,
             stride_k_b, stride_k_t, stride_v_b, stride_v_t, dims, dim_mask,
-            BLOCK_SIZE, TILE_N, False,
+            BLOCK_SIZE, TILE_N, False, DOT_PRECISION,
         )
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_head, v_head, table, q_pos,
             unmasked_end, kv_end, kv_end, scale_log2,
             stride_k_b, stride_k_t, stride_v_b, stride_v_t, dims, dim_mask,
-            BLOCK_SIZE, TILE_N, True,
+            BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
         )
         out = acc / l_i[:, None]
         o_rows = (q_start + tokens).to(tl.int64) * stride_o_t + heads * stride_o_h
@@ -177,6 +179,7 @@ def paged_prefill(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    check_runnable(_paged_prefill_kernel, query.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     on_gpu = query.device.type == "cuda"
     block_m = max(128 if on_gpu else 64, triton.next_power_of_2(group))
@@ -194,6 +197,7 @@ def paged_prefill(
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=num_warps, num_stages=2,
     )
     return out

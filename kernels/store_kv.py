@@ -72,6 +72,16 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {listed}")
 
 
+def check_runnable(kernel: object, device: torch.device) -> None:
+    """Compiled kernels need GPU tensors; CPU tensors work only with interpreted kernels."""
+    if device.type == "cpu" and type(kernel).__name__ != "InterpretedFunction":
+        raise ValueError(
+            "Triton kernels got CPU tensors but are compiled for a GPU: use "
+            "RADIXKV_ATTENTION=reference on CPU, or set TRITON_INTERPRET=1 before "
+            "radixkv.kernels is imported (slow; for tests)"
+        )
+
+
 @triton.jit
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -142,6 +152,7 @@ def store_kv(
         )
     if num_tokens == 0:
         return
+    check_runnable(_store_kv_kernel, key.device)
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -6,6 +6,9 @@ a second device).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -186,3 +189,21 @@ def test_copy_blocks_rejects(
         pairs = torch.tensor(pairs)
     with pytest.raises(error, match=message):
         copy_blocks(kv_cache, pairs)
+
+
+def test_cpu_tensors_without_the_interpreter_get_a_clear_error() -> None:
+    script = (
+        "import torch\n"
+        "from radixkv.kernels.store_kv import store_kv\n"
+        "rows = torch.zeros((1, 1, 16))\n"
+        "cache = torch.zeros((1, 16, 1, 16))\n"
+        "try:\n"
+        "    store_kv(rows, rows, cache, cache, torch.zeros(1, dtype=torch.int64))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert "RADIXKV_ATTENTION=reference" in done.stdout

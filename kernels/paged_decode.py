@@ -10,9 +10,9 @@ built for memory bandwidth:
 - The context is walked in tiles of whole blocks, each token's row found through the block
   table:
 
-      tokens      0 ....... 15 | 16 ...... 31 | 32 ...... 47 | 48 .. 52
-      table       [ 7,           2,             9,             4 ]     block_size 16
-      tile_n 32   |<------ tile 0 ------>|<------ tile 1 ------>|
+      tokens      0 ..... 15 | 16 .... 31 | 32 .... 47 | 48 .. 52     seq_len 53
+      block id        7      |     2      |     9      |    4         block_size 16
+      tile_n 32   |<------ tile 0 ------->|<------- tile 1 ------>|    tail masked
 
 - Split-KV (flash decoding): when the batch has too few (sequence, KV head) pairs to fill the
   device, each context is cut into `num_splits` ranges of whole tiles. Each range writes a

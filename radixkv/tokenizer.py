@@ -62,7 +62,11 @@ class Tokenizer:
         return _from_gguf(ckpt)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with add_special_tokens, BOS (and EOS) as the checkpoint says."""
+        """Token ids of `text`; add_special_tokens adds BOS/EOS where the checkpoint says to.
+
+        Who says: tokenizer.json's post-processor, or the GGUF's tokenizer.ggml.add_bos_token
+        and add_eos_token.
+        """
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -201,13 +205,8 @@ def _from_hf_dir(ckpt: Checkpoint) -> Tokenizer:
     }
     bos_id = backend.token_to_id(tokens["bos_token"]) if "bos_token" in tokens else None
     eos_id = backend.token_to_id(tokens["eos_token"]) if "eos_token" in tokens else None
-    # Like transformers: explicit add_bos_token/add_eos_token replace tokenizer.json's
-    # post-processor; without them, that post-processor decides.
-    if "add_bos_token" in config or "add_eos_token" in config:
-        backend.post_processor = _special_tokens_processor(
-            (tokens.get("bos_token"), bos_id) if config.get("add_bos_token") else None,
-            (tokens.get("eos_token"), eos_id) if config.get("add_eos_token") else None,
-        )
+    # tokenizer.json's post-processor alone decides whether BOS/EOS are added, as in
+    # transformers 5, which ignores tokenizer_config's add_bos_token once tokenizer.json exists.
     model_config = ckpt.model_config
     return Tokenizer(
         backend,
@@ -310,14 +309,14 @@ def _gguf_pre_tokenizer(pre: str, path: Path) -> pre_tokenizers.PreTokenizer:
 
 
 def _special_tokens_processor(
-    bos: tuple[str | None, int | None] | None, eos: tuple[str | None, int | None] | None
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
 ) -> processors.TemplateProcessing:
-    """A post-processor adding BOS before / EOS after the text (each when given and known)."""
+    """A post-processor adding BOS before / EOS after the text (each when given)."""
     single, special = "$A", []
-    if bos is not None and bos[0] is not None and bos[1] is not None:
-        single, special = f"{bos[0]} {single}", [(bos[0], bos[1])]
-    if eos is not None and eos[0] is not None and eos[1] is not None:
-        single, special = f"{single} {eos[0]}", [*special, (eos[0], eos[1])]
+    if bos is not None:
+        single, special = f"{bos[0]} {single}", [bos]
+    if eos is not None:
+        single, special = f"{single} {eos[0]}", [*special, eos]
     return processors.TemplateProcessing(single=single, special_tokens=special)
 
 

@@ -36,9 +36,6 @@ _MIX2 = 0x94D049BB133111EB
 _BUCKET_STREAM = 1  # noise streams of one row: the bucket round and the token round
 _TOKEN_STREAM = 2
 _MAX_BUCKET_SIZE = 256  # ~sqrt(vocab) for the vocabularies in use
-# Top-p looks for the nucleus among the best 1,024 tokens first and sorts the whole row only
-# when the nucleus is larger (a flat distribution).
-_TOP_P_CANDIDATES = 1024
 
 
 @dataclass(frozen=True)
@@ -109,9 +106,9 @@ class Sampler:
             sampled_idx = _index(sampled_rows, raw.device)
             sampled_specs = [specs[i] for i in sampled_rows]
             sampled_logits = penalised[sampled_idx] if greedy_rows else penalised
-            filtered = apply_filters(sampled_logits, sampled_specs)
+            weights = filtered_weights(sampled_logits, sampled_specs)
             keys = [row_key(specs[i].seed, len(histories[i])) for i in sampled_rows]
-            token_ids[sampled_idx] = race(filtered, keys)
+            token_ids[sampled_idx] = race(weights, keys)
 
         return _with_logprobs(raw, token_ids, specs)
 
@@ -131,53 +128,42 @@ def apply_penalties(
     Repetition (over the whole history, prompt included, once per distinct token, like
     transformers' RepetitionPenaltyLogitsProcessor): positive logits divided by the penalty,
     negative ones multiplied. Then presence and frequency (OpenAI, over the generated tokens
-    only): logit -= presence * (count > 0) + frequency * count.
+    only): logit -= presence * (count > 0) + frequency * count. Work is O(history), not
+    O(vocab), past one copy of `logits`.
     """
     rows = [i for i, spec in enumerate(specs) if _has_penalty(spec)]
     if not rows:
         return logits
     device = logits.device
     vocab_size = logits.shape[1]
-    lengths = [len(histories[i]) for i in rows]
-    flat_ids = torch.tensor(
+    lengths = torch.tensor([len(histories[i]) for i in rows], dtype=torch.int64, device=device)
+    token_ids = torch.tensor(
         list(itertools.chain.from_iterable(histories[i] for i in rows)), dtype=torch.int64
     ).to(device)
-    if flat_ids.numel() and not 0 <= int(flat_ids.min()) <= int(flat_ids.max()) < vocab_size:
+    if token_ids.numel() and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < vocab_size:
         raise ValueError(f"history token ids must be in [0, {vocab_size})")
-    lengths_t = torch.tensor(lengths, dtype=torch.int64, device=device)
-    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths_t)
-    flat_index = row_of * vocab_size + flat_ids  # (total_len,) into the (rows, vocab) block
+    row_of = torch.repeat_interleave(_index(rows, device), lengths)  # (total_len,) logits row
+    cells = row_of * vocab_size + token_ids  # (total_len,) into the flattened logits
 
-    if len(rows) == len(specs):
-        out = logits.clone(memory_format=torch.contiguous_format)
-    else:
-        out = logits[_index(rows, device)]  # (rows, vocab), a contiguous copy
+    out = logits.clone(memory_format=torch.contiguous_format)
     flat_out = out.view(-1)
-    repetition = [specs[i].repetition_penalty for i in rows]
-    if any(p != 1.0 for p in repetition):
-        penalty = torch.tensor(repetition, device=device)[row_of]
-        seen = flat_out[flat_index]  # gathered before any write: once per token, not per use
-        flat_out[flat_index] = torch.where(seen < 0, seen * penalty, seen / penalty)
+    if any(specs[i].repetition_penalty != 1.0 for i in rows):
+        penalty = torch.tensor([spec.repetition_penalty for spec in specs], device=device)[row_of]
+        seen = flat_out[cells]  # gathered before any write: once per token, not per use
+        flat_out[cells] = torch.where(seen < 0, seen * penalty, seen / penalty)
 
-    presence = [specs[i].presence_penalty for i in rows]
-    frequency = [specs[i].frequency_penalty for i in rows]
-    if any(presence) or any(frequency):
-        starts = torch.cumsum(lengths_t, 0) - lengths_t
-        pos_in_row = torch.arange(flat_ids.numel(), device=device) - starts[row_of]
+    if any(specs[i].presence_penalty or specs[i].frequency_penalty for i in rows):
+        starts = torch.cumsum(lengths, 0) - lengths
+        local = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
+        position = torch.arange(token_ids.numel(), device=device) - starts[local]
         prompt_lens = torch.tensor([num_prompt_tokens[i] for i in rows], device=device)
-        generated = flat_index[pos_in_row >= prompt_lens[row_of]]
-        counts = torch.zeros(out.numel(), device=device)
-        counts.index_add_(0, generated, torch.ones(generated.numel(), device=device))
-        counts = counts.view_as(out)  # (rows, vocab)
-        presence_t = torch.tensor(presence, device=device)[:, None]
-        frequency_t = torch.tensor(frequency, device=device)[:, None]
-        out -= presence_t * (counts > 0) + frequency_t * counts
-
-    if len(rows) == len(specs):
-        return out
-    result = logits.clone()
-    result[_index(rows, device)] = out
-    return result
+        generated, counts = torch.unique(cells[position >= prompt_lens[local]], return_counts=True)
+        presence = torch.tensor([spec.presence_penalty for spec in specs], device=device)
+        frequency = torch.tensor([spec.frequency_penalty for spec in specs], device=device)
+        row = generated // vocab_size
+        # count >= 1 on every cell here, so presence * (count > 0) is presence
+        flat_out[generated] -= presence[row] + frequency[row] * counts
+    return out
 
 
 def _has_penalty(spec: SamplingSpec) -> bool:
@@ -190,74 +176,155 @@ def _has_penalty(spec: SamplingSpec) -> bool:
 
 # -------------------------------------------------------------------------------- filters
 
+# Top-p looks for the nucleus among each row's best 64 tokens, then 1,024, then all of them
+# (a flat distribution), each stage only for the rows the previous one did not settle.
+_NUCLEUS_STAGES = (64, 1024)
+# exp() of a float32 below about -87 is subnormal, which runs tens of times slower on x86.
+# Scaled logits are floored at _EXP_FLOOR before exp(), and weights up to twice exp(floor)
+# count as zero: a token e^79 times less likely than the top one is never drawn.
+_EXP_FLOOR = -80.0
+_NEGLIGIBLE_WEIGHT = 2 * math.exp(_EXP_FLOOR)
+
 
 def apply_filters(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
-    """Temperature-scaled logits with every token a row's filters drop set to -inf.
+    """(logits - row max) / temperature, with every token the row's filters drop at -inf.
 
-    In order, each on what the previous one kept: top_k keeps the tokens whose logit is at
-    least the k-th largest (ties at the boundary all stay, as in transformers); top_p keeps
-    the shortest run of tokens, best first (lower id first on ties), whose probability reaches
-    top_p, so always the top token; min_p drops tokens whose probability is below min_p times
-    the top token's. All rows must have temperature > 0.
+    The shift leaves softmax unchanged and puts the top token at 0. In order, each filter on
+    what the previous one kept: top_k keeps the tokens whose logit is at least the k-th
+    largest (ties at the boundary all stay, as in transformers); top_p keeps the shortest run
+    of tokens, best first (lower id first on ties), whose probability reaches top_p, so
+    always the top token; min_p drops tokens whose probability is below min_p times the top
+    token's. All rows must have temperature > 0.
     """
+    kept = _filter(logits, specs)
+    z = kept.scaled.masked_fill_(kept.scaled < kept.limit[:, None], -math.inf)
+    if kept.crowded_rows.numel():
+        rows = kept.crowded_rows
+        z[rows] = z[rows].masked_fill_(~kept.crowded_keep, -math.inf)
+    return z
+
+
+def filtered_weights(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """exp(apply_filters(logits, specs)): each row's filtered distribution scaled so that its
+    top token weighs 1, with weights below 2 * exp(_EXP_FLOOR) set to 0."""
+    kept = _filter(logits, specs)
+    z = kept.scaled
+    if bool((kept.limit <= _EXP_FLOOR).all()):
+        z = z.clamp_(min=_EXP_FLOOR)
+    else:
+        z = torch.where(z >= kept.limit.clamp(min=_EXP_FLOOR)[:, None], z, _EXP_FLOOR)
+    weights = torch.nn.functional.threshold(z.exp_(), _NEGLIGIBLE_WEIGHT, 0.0, inplace=True)
+    if kept.crowded_rows.numel():
+        rows = kept.crowded_rows
+        weights[rows] = weights[rows].masked_fill_(~kept.crowded_keep, 0.0)
+    return weights
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What the filters keep of each row: every token whose scaled logit is >= limit, and in
+    `crowded_rows` (top-p ties cut in the middle) only the tokens of `crowded_keep` as well."""
+
+    scaled: torch.Tensor  # (rows, vocab): (logits - row max) / temperature
+    limit: torch.Tensor  # (rows,)
+    crowded_rows: torch.Tensor  # (num_crowded,) int64
+    crowded_keep: torch.Tensor  # (num_crowded, vocab) bool
+
+
+def _filter(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> _Kept:
+    num_rows, vocab_size = logits.shape
     device = logits.device
-    vocab_size = logits.shape[1]
     temperature = torch.tensor([spec.temperature for spec in specs], device=device)
-    x = logits / temperature[:, None]  # (rows, vocab), a new tensor filtered in place
+    z = logits - logits.amax(dim=-1, keepdim=True)
+    z /= temperature[:, None]  # (rows, vocab), <= 0
+    limit = torch.full((num_rows,), -math.inf, device=device)
+    crowded_rows = torch.zeros(0, dtype=torch.int64, device=device)
+    crowded_keep = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
 
     top_k = [spec.top_k if 0 < spec.top_k < vocab_size else 0 for spec in specs]
-    if any(top_k):
-        rows = _index([i for i, k in enumerate(top_k) if k], device)
-        ks = torch.tensor([k for k in top_k if k], device=device)
-        kth = x[rows].topk(int(ks.max()), dim=-1).values.gather(1, ks[:, None] - 1)
-        threshold = torch.full((len(specs), 1), -math.inf, device=device)
-        threshold[rows] = kth
-        x.masked_fill_(x < threshold, -math.inf)
+    ranked = [i for i in range(num_rows) if top_k[i] or specs[i].top_p < 1.0]
+    if ranked:
+        # one topk serves both: the k-th value for top_k, the first candidates for top_p
+        ranked_t = _index(ranked, device)
+        num_candidates = min(vocab_size, max(_NUCLEUS_STAGES[0], *top_k))
+        candidates = z[ranked_t].topk(num_candidates, dim=-1).values  # (ranked, candidates)
+        kth = torch.full((len(ranked),), -math.inf, device=device)
+        if any(top_k):
+            ks = torch.tensor([top_k[i] for i in ranked], device=device)
+            kth = candidates.gather(1, (ks - 1).clamp(min=0)[:, None]).squeeze(1)
+            kth[ks == 0] = -math.inf
+            candidates.masked_fill_(candidates < kth[:, None], -math.inf)
+            limit[ranked_t] = kth
+        nucleus = [j for j, i in enumerate(ranked) if specs[i].top_p < 1.0]
+        if nucleus:
+            nucleus_t = _index(nucleus, device)
+            top_p = torch.tensor([specs[ranked[j]].top_p for j in nucleus], device=device)
+            boundary, crowded, crowded_keep = _nucleus(
+                z, ranked_t[nucleus_t], candidates[nucleus_t], kth[nucleus_t], top_p
+            )
+            limit[ranked_t[nucleus_t]] = boundary  # >= kth
+            crowded_rows = ranked_t[nucleus_t][crowded]
 
-    top_p = [spec.top_p for spec in specs]
-    if any(p < 1.0 for p in top_p):
-        rows = _index([i for i, p in enumerate(top_p) if p < 1.0], device)
-        sub = x[rows]
-        keep = _nucleus_mask(sub, torch.tensor([p for p in top_p if p < 1.0], device=device))
-        x[rows] = sub.masked_fill_(~keep, -math.inf)
-
-    min_p = [spec.min_p for spec in specs]
-    if any(min_p):
-        # p_i < min_p * p_max  <=>  x_i - x_max < log(min_p)
-        log_min_p = torch.tensor([math.log(p) if p else -math.inf for p in min_p], device=device)
-        too_unlikely = x - x.amax(dim=-1, keepdim=True) < log_min_p[:, None]
-        x.masked_fill_(too_unlikely, -math.inf)
-    return x
+    if any(spec.min_p for spec in specs):
+        # p_i < min_p * p_max  <=>  z_i < log(min_p), as z_max = 0
+        log_min_p = [math.log(spec.min_p) if spec.min_p else -math.inf for spec in specs]
+        limit = torch.maximum(limit, torch.tensor(log_min_p, device=device))
+    return _Kept(z, limit, crowded_rows, crowded_keep)
 
 
-def _nucleus_mask(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask of each row's nucleus: the best tokens until their probability reaches top_p.
+def _nucleus(
+    z: torch.Tensor,
+    rows: torch.Tensor,
+    candidates: torch.Tensor,
+    kth: torch.Tensor,
+    top_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The nucleus of z[rows] after top-k (kth: the rows' top-k limits, -inf if none), given
+    the rows' best `candidates` (best first, top-k applied).
 
-    The nucleus is first looked for among the row's best `_TOP_P_CANDIDATES` tokens; rows
-    whose candidates hold less than top_p are redone with the whole row.
+    Returns per row the scaled logit of its last kept token, whether ties at that value must
+    be cut (more of them than room), and for those rows the exact mask of kept tokens.
     """
-    num_rows, vocab_size = x.shape
-    row_max = x.amax(dim=-1, keepdim=True)
-    log_total = (x - row_max).exp_().sum(dim=-1, keepdim=True).log_() + row_max  # (rows, 1)
-    num_kept = torch.zeros(num_rows, dtype=torch.int64, device=x.device)
-    nth_value = torch.zeros(num_rows, 1, device=x.device)
-    pending = torch.arange(num_rows, device=x.device)
-    for num_candidates in (min(_TOP_P_CANDIDATES, vocab_size), vocab_size):
-        values = x[pending].topk(num_candidates, dim=-1).values  # (pending, candidates), best first
-        probs = (values - log_total[pending]).exp_()
+    vocab_size = z.shape[1]
+    # the normaliser: from the candidates when they hold every top-k survivor, else the row
+    total = candidates.exp().sum(dim=-1)
+    partial = (candidates[:, -1] > -math.inf).nonzero().squeeze(1)
+    if partial.numel():
+        z_rows = z[rows[partial]]
+        floor = kth[partial].clamp(min=_EXP_FLOOR)[:, None]
+        total[partial] = torch.where(z_rows >= floor, z_rows, _EXP_FLOOR).exp_().sum(dim=-1)
+
+    num_kept = torch.zeros(len(rows), dtype=torch.int64, device=z.device)
+    boundary = torch.zeros(len(rows), device=z.device)
+    crowded = torch.zeros(len(rows), dtype=torch.bool, device=z.device)
+    pending = torch.arange(len(rows), device=z.device)
+    while True:
+        num_candidates = candidates.shape[1]
+        probs = candidates.clamp(min=_EXP_FLOOR).exp_() / total[pending, None]
         mass = probs.cumsum(dim=-1)
         mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)
-        kept = ((mass_before < top_p[pending, None]) & (values > -math.inf)).sum(dim=-1)
-        found = (kept < num_candidates) | (mass[:, -1] >= top_p[pending])
+        kept = ((mass_before < top_p[pending, None]) & (candidates > -math.inf)).sum(dim=-1)
+        settled = (kept < num_candidates) | (mass[:, -1] >= top_p[pending])
         if num_candidates == vocab_size:
-            found = torch.ones_like(found)
-        done = pending[found]
-        num_kept[done] = kept[found]
-        nth_value[done] = values[found].gather(1, kept[found, None] - 1)
-        pending = pending[~found]
+            settled[:] = True
+        done = pending[settled]
+        num_kept[done] = kept[settled]
+        last = candidates[settled].gather(1, kept[settled, None] - 1)  # (done, 1)
+        boundary[done] = last.squeeze(1)
+        # more tokens tied with the last kept one than room left (or maybe past the candidates)
+        tied = (candidates[settled] == last).sum(dim=-1)
+        above = (candidates[settled] > last).sum(dim=-1)
+        reaches_end = (candidates[settled, -1] == last.squeeze(1)) & (num_candidates < vocab_size)
+        crowded[done] = (tied > kept[settled] - above) | reaches_end
+        pending = pending[~settled]
         if pending.numel() == 0:
             break
-    return _best_n_mask(x, num_kept, nth_value)
+        next_stage = min(k for k in (*_NUCLEUS_STAGES, vocab_size) if k > num_candidates)
+        candidates = z[rows[pending]].topk(min(next_stage, vocab_size), dim=-1).values
+        candidates.masked_fill_(candidates < kth[pending, None], -math.inf)
+
+    keep = _best_n_mask(z[rows[crowded]], num_kept[crowded], boundary[crowded, None])
+    return boundary, crowded, keep
 
 
 def _best_n_mask(x: torch.Tensor, n: torch.Tensor, nth_value: torch.Tensor) -> torch.Tensor:
@@ -265,12 +332,8 @@ def _best_n_mask(x: torch.Tensor, n: torch.Tensor, nth_value: torch.Tensor) -> t
     is the value of the n-th of them."""
     above = x > nth_value
     tied = x == nth_value
-    num_tied_kept = n - above.sum(dim=-1)  # >= 1
-    crowded = (tied.sum(dim=-1) > num_tied_kept).nonzero().squeeze(1)
-    if crowded.numel():  # more ties than room: the lowest indices win
-        rank = tied[crowded].cumsum(dim=-1)
-        tied[crowded] &= rank <= num_tied_kept[crowded, None]
-    return above | tied
+    rank = tied.cumsum(dim=-1)
+    return above | (tied & (rank <= (n - above.sum(dim=-1))[:, None]))
 
 
 # --------------------------------------------------------------------------------- random
@@ -295,14 +358,14 @@ def exponential_noise(keys: torch.Tensor, stream: int, ids: torch.Tensor) -> tor
     return uniform.log_().neg_()
 
 
-def race(logits: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
-    """Draw one token per row from softmax(logits) (-inf = never): an exponential race keyed
-    by `keys` (see row_key), bucket masses first, then the tokens of the winning bucket."""
-    num_rows, vocab_size = logits.shape
-    device = logits.device
+def race(weights: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
+    """Draw one token per row with probability proportional to `weights` (rows, vocab), >= 0
+    with a positive entry in every row: an exponential race keyed by `keys` (see row_key),
+    bucket masses first, then the tokens of the winning bucket."""
+    num_rows, vocab_size = weights.shape
+    device = weights.device
     bucket_size = min(vocab_size, _MAX_BUCKET_SIZE)
     num_buckets = -(-vocab_size // bucket_size)
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()  # top token = 1
     padding = num_buckets * bucket_size - vocab_size
     if padding:
         weights = torch.nn.functional.pad(weights, (0, padding))
@@ -364,13 +427,17 @@ def _with_logprobs(
 def _top_entries(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k largest entries as (indices, values), largest first, lower index first
     on ties (torch.topk alone promises neither which tied entries it takes nor their order)."""
-    values, ids = x.topk(k, dim=-1)
-    kth = values[:, -1:]
-    crowded = ((x == kth).sum(dim=-1) > (values == kth).sum(dim=-1)).nonzero().squeeze(1)
-    if crowded.numel():
-        n = torch.full((crowded.numel(),), k, dtype=torch.int64, device=x.device)
-        mask = _best_n_mask(x[crowded], n, kth[crowded])
-        ids[crowded] = mask.nonzero()[:, 1].view(-1, k)
+    vocab_size = x.shape[1]
+    values, ids = x.topk(min(k + 1, vocab_size), dim=-1)
+    kth = values[:, k - 1 : k]
+    if k < vocab_size:
+        # the (k+1)-th equal to the k-th: ties straddle the cut, so topk's pick is arbitrary
+        crowded = (values[:, k] == kth[:, 0]).nonzero().squeeze(1)
+        values, ids = values[:, :k], ids[:, :k]
+        if crowded.numel():
+            n = torch.full((crowded.numel(),), k, dtype=torch.int64, device=x.device)
+            keep = _best_n_mask(x[crowded], n, kth[crowded])
+            ids[crowded] = keep.nonzero()[:, 1].view(-1, k)
     ids = ids.sort(dim=-1).values
     values, order = x.gather(1, ids).sort(dim=-1, descending=True, stable=True)
     return ids.gather(1, order), values

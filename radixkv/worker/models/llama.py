@@ -52,11 +52,23 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: RopeScaling):
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, base, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.base = base
+        self.scaling = scaling
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build_tables(torch.get_default_device())
+
+    def build_tables(self, device: torch.device) -> None:
+        """(Re)compute the cos/sin tables in float32 on `device`."""
+        if device.type == "meta":
+            return
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.base, self.scaling).to(device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -177,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta,
             config.rope_scaling,
         )
+        self.rotary = rotary
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_layers)
         )
@@ -204,9 +217,26 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
+    @classmethod
+    def empty(
+        cls, config: ModelConfig, backend: AttentionBackend, device: torch.device
+    ) -> LlamaForCausalLM:
+        """A model whose parameters are placeholders on the meta device (no memory, no random
+        init); `load_weights` puts the checkpoint's tensors in their place."""
+        with torch.device("meta"):
+            model = cls(config, backend)
+        model.rotary.build_tables(device)
+        return model
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in; every parameter must be filled exactly once."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+    ) -> None:
+        """Take Hugging Face-named tensors; every parameter must be filled exactly once.
+
+        Tensors are adopted as parameters without a copy where possible (first touches of
+        fresh memory are slow; the loader already made these tensors).
+        """
         params = dict(self.named_parameters())
         fused_parts: dict[str, dict[int, torch.Tensor]] = {}
         loaded: set[str] = set()
@@ -221,13 +251,14 @@ class LlamaForCausalLM(nn.Module):
                 fused_name, shard = target
                 fused_parts.setdefault(fused_name, {})[shard] = tensor
                 continue
-            self._copy_param(params, name, tensor)
+            self._set_param(params, name, tensor, dtype)
             loaded.add(name)
         for fused_name, parts in fused_parts.items():
             expected = 3 if "qkv_proj" in fused_name else 2
             if sorted(parts) != list(range(expected)):
                 raise WeightLoadError(f"checkpoint lacks some parts of {fused_name}")
-            self._copy_param(params, fused_name, torch.cat([parts[i] for i in range(expected)]))
+            fused = torch.cat([parts[i] for i in range(expected)])
+            self._set_param(params, fused_name, fused, dtype)
             loaded.add(fused_name)
         missing = sorted(set(params) - loaded)
         if missing:
@@ -241,8 +272,10 @@ class LlamaForCausalLM(nn.Module):
                     return name[: -len(suffix + kind)] + fused_suffix + kind, shard
         return None
 
-    @staticmethod
-    def _copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    def _set_param(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+        dtype: torch.dtype | None,
+    ) -> None:
         param = params.get(name)
         if param is None:
             raise WeightLoadError(f"checkpoint tensor {name!r} has no place in the model")
@@ -251,4 +284,10 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the model expects {tuple(param.shape)}"
             )
-        param.copy_(tensor.to(param.dtype))
+        if param.device.type == "meta":
+            value = tensor.to(dtype or param.dtype).contiguous()
+            module_name, _, attr = name.rpartition(".")
+            module = self.get_submodule(module_name) if module_name else self
+            module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        else:
+            param.copy_(tensor.to(param.dtype))

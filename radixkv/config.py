@@ -167,3 +167,25 @@ class WorkerConfig:
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError(f"num_threads must be > 0, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the scheduler and worker processes need; travels as JSON at start-up."""
+
+    model: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        return cls(
+            model=data.get("model"),
+            cache=CacheConfig(**data.get("cache", {})),
+            scheduler=SchedulerConfig(**data.get("scheduler", {})),
+            worker=WorkerConfig(**data.get("worker", {})),
+        )

@@ -211,12 +211,18 @@ class BlockUpdate:
 @record(tag=23)
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens of one sequence to compute this step, at positions start_pos onwards."""
+    """Tokens of one sequence to compute this step, at positions start_pos onwards.
+
+    With `sample`, the logits of the last token are sampled for this sequence and, with the
+    same logits, for every sequence in `fanout_seq_ids`: the streams of a parallel-sampling
+    request forked off this one, whose prompt it computed once for all of them.
+    """
 
     seq_id: int
     token_ids: list[int]
     start_pos: int
     sample: bool
+    fanout_seq_ids: list[int] = field(default_factory=list)
 
 
 @record(tag=24)

@@ -28,7 +28,7 @@ class ModelInputs:
     input_ids: torch.Tensor  # (num_tokens,) int64
     positions: torch.Tensor  # (num_tokens,) int64
     meta: AttentionMetadata
-    last_token_rows: torch.Tensor  # (num_chunks,) int64: row of each chunk's last token, input order
+    last_token_rows: torch.Tensor  # (num_chunks,) int64: each chunk's last row, input order
 
 
 def build_model_inputs(

@@ -1,0 +1,538 @@
+"""Continuous batching over the KV sharing core. No sockets, no torch: plain integers.
+
+One engine step is `schedule()` -> worker -> `update()`; `step(execute)` runs the three.
+
+    schedule():  running requests first (oldest first): decodes and prefill chunks, growing
+                 blocks and preempting the newest request when blocks run out; then waiting
+                 requests by longest cached prefix (aged ones first), admitted through the
+                 KV manager while tokens, seats and blocks last.
+    update():    sampled tokens are appended, stop conditions checked, computed prefixes cached,
+                 finished sequences freed, beam groups advanced, outputs built.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from radixkv import envs
+from radixkv.config import SchedulerConfig
+from radixkv.ipc.protocol import (
+    AddRequest,
+    BlockUpdate,
+    Chunk,
+    EngineStats,
+    NewSeq,
+    RequestOutput,
+    Sample,
+    SamplingSpec,
+    StepInput,
+    StepOutput,
+)
+from radixkv.kvcache import BlockId, KVCacheManager, SeqId
+from radixkv.scheduler.beam import BeamCandidates, BeamSearchGroup
+from radixkv.scheduler.outputs import build_output
+from radixkv.scheduler.request import FinishReason, Request, RequestError, Sequence
+
+_SEED_MASK = (1 << 63) - 1
+
+
+class Scheduler:
+    """Owns every request's state between its arrival and its last output."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = (
+            min(max_model_len, config.max_model_len) if config.max_model_len else max_model_len
+        )
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[SeqId, tuple[Request, Sequence]] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+        self._next_seq_id = 0
+        self._rng = random.Random()
+        self._worker_tables: dict[SeqId, list[BlockId]] = {}
+        self._to_drop: list[int] = []  # seq ids the worker must forget next step
+        self._outputs: list[RequestOutput] = []
+        self._inflight: list[tuple[Request, Sequence, int, list[Sequence]]] = []
+        self._pending_copies: list[tuple[int, int]] = []
+        self._debug = envs.debug()
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, msg: AddRequest) -> None:
+        """Queue a request. Raises RequestError if it cannot run on this engine."""
+        if msg.request_id in self.requests:
+            raise RequestError(f"request id {msg.request_id!r} is already in use")
+        prompt = list(msg.prompt_token_ids)
+        if not prompt:
+            raise RequestError("the prompt must contain at least one token")
+        params = msg.sampling if msg.beam is None else None
+        if msg.beam is None and params is None:
+            raise RequestError("a request needs sampling or beam search parameters")
+        max_tokens = msg.beam.max_tokens if msg.beam is not None else params.max_tokens  # type: ignore[union-attr]
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt)} and max_tokens asks for {max_tokens} more"
+            )
+        width = msg.beam.beam_width if msg.beam is not None else params.num_sequences  # type: ignore[union-attr]
+        if width > self.config.max_n:
+            raise RequestError(f"at most {self.config.max_n} sequences per request, got {width}")
+        if width > self.config.max_num_seqs:
+            raise RequestError(
+                f"the request needs {width} sequences but the engine runs at most "
+                f"{self.config.max_num_seqs} at once"
+            )
+        request = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=prompt,
+            salt=msg.salt,
+            eos_token_ids=frozenset(msg.eos_token_ids),
+            max_new_tokens=max_tokens,
+            arrival_step=self._step_id,
+            sampling=params,
+            beam_params=msg.beam,
+        )
+        if params is not None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            request.seed = seed & _SEED_MASK
+        self._check_fits_pool(request)
+        if msg.beam is not None:
+            eos = () if msg.beam.ignore_eos else msg.eos_token_ids
+            request.beam = BeamSearchGroup(msg.beam, eos, max_tokens)
+        leader = self._new_seq(request, index=0, token_ids=list(prompt))
+        request.seqs.append(leader)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits_pool(self, request: Request) -> None:
+        """A request that could not run even alone in an empty pool would never finish."""
+        block_size = self.kv.block_size
+        prompt_blocks = -(-len(request.prompt_token_ids) // block_size)
+        output_blocks = -(-request.max_new_tokens // block_size) + 1
+        needed = prompt_blocks + request.num_sequences * output_blocks
+        if needed > self.kv.num_blocks:
+            raise RequestError(
+                f"the request needs up to {needed} KV blocks but the pool has "
+                f"{self.kv.num_blocks}; shorten it or give the engine more KV memory"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request now; its blocks are released (computed prefixes stay cached)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.live_seqs:
+            self._finish_seq(request, seq, FinishReason.ABORT)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish_request(request)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (the worker is gone); nothing is freed remotely."""
+        outputs = [
+            RequestOutput(
+                request_id=r.request_id, seqs=[], num_prompt_tokens=len(r.prompt_token_ids),
+                num_cached_tokens=r.num_cached_tokens, finished=True, error=message,
+            )
+            for r in self.requests.values()
+        ]
+        self.waiting.clear()
+        self.running.clear()
+        self.requests.clear()
+        return outputs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    # ------------------------------------------------------------------------- the step
+
+    def step(self, execute: Callable[[StepInput], StepOutput]) -> list[RequestOutput]:
+        """Schedule, run the worker, apply its samples; returns the outputs of this step."""
+        step_input = self.schedule()
+        if step_input.chunks or step_input.finished_seq_ids or step_input.block_copies:
+            self.update(execute(step_input))
+        return self.take_outputs()
+
+    def schedule(self) -> StepInput:
+        self._step_id += 1
+        self._inflight = []
+        self._pending_copies = []
+        token_budget = self.config.max_num_batched_tokens
+        token_budget = self._schedule_running(token_budget)
+        self._schedule_waiting(token_budget)
+        return self._build_step_input()
+
+    def _schedule_running(self, token_budget: int) -> int:
+        for request in list(self.running):
+            if request not in self.running:  # preempted while scheduling an older one
+                continue
+            live = request.live_seqs
+            if request.beam is not None and token_budget < len(live):
+                continue  # beams advance together or not at all
+            for seq in live:
+                if token_budget == 0:
+                    return 0
+                num_tokens = min(seq.num_uncomputed, token_budget)
+                if not self._reserve(request, seq, num_tokens):
+                    if request not in self.running:
+                        break  # the request itself was preempted
+                    continue
+                token_budget -= num_tokens
+                self._add_chunk(request, seq, num_tokens)
+        return token_budget
+
+    def _reserve(self, request: Request, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for `num_tokens` more computed tokens, preempting newer requests."""
+        needed = seq.num_computed + num_tokens - self.kv.num_tokens(seq.seq_id)
+        if needed <= 0:
+            return True
+        while True:
+            growth = self.kv.grow(seq.seq_id, needed)
+            if growth is not None:
+                self._pending_copies.extend(growth.block_copies)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+
+    def _schedule_waiting(self, token_budget: int) -> None:
+        seats = self.config.max_num_seqs - sum(r.num_sequences for r in self.running)
+        for request in self._waiting_order():
+            if token_budget == 0 or seats < request.num_sequences:
+                break
+            if self._shares_uncomputed_prefix(request):
+                continue
+            if not self._admit(request):
+                break
+            self.waiting.remove(request)
+            self.running.append(request)
+            seats -= request.num_sequences
+            for seq in request.live_seqs:
+                num_tokens = min(seq.num_uncomputed, token_budget)
+                if num_tokens == 0:
+                    break
+                token_budget -= num_tokens
+                self._add_chunk(request, seq, num_tokens)
+
+    def _waiting_order(self) -> list[Request]:
+        """Aged (and preempted) requests first in arrival order, then longest cached prefix."""
+        window = self.waiting[: max(4 * self.config.max_num_seqs, 64)]
+        aged: list[Request] = []
+        fresh: list[Request] = []
+        for request in window:
+            waited = self._step_id - request.arrival_step
+            (aged if request.admitted or waited >= self.config.aging_steps else fresh).append(
+                request
+            )
+        fresh.sort(key=lambda r: -self.kv.peek_prefix(r.seqs[0].token_ids, r.salt))
+        return aged + fresh
+
+    def _shares_uncomputed_prefix(self, request: Request) -> bool:
+        """True when a running request is computing a prefix this one would otherwise
+        compute again: better to wait a step and hit it in the cache."""
+        if request.admitted:
+            return False
+        prompt = request.prompt_token_ids
+        cached = self.kv.peek_prefix(prompt, request.salt)
+        block_size = self.kv.block_size
+        for other in self.running:
+            leader = other.seqs[0]
+            if other.salt != request.salt or leader.num_computed >= other.num_prompt_len:
+                continue
+            shared = _common_prefix_len(prompt, other.prompt_token_ids)
+            if shared - cached >= block_size and leader.num_computed < shared:
+                return True
+        return False
+
+    def _admit(self, request: Request) -> bool:
+        """Admit every live sequence of the request, or none of them."""
+        admitted: list[Sequence] = []
+        for seq in request.live_seqs:
+            admission = self.kv.admit(seq.seq_id, seq.token_ids, request.salt)
+            if admission is None:
+                for done in admitted:
+                    self.kv.free(done.seq_id)
+                    done.num_computed = 0
+                return False
+            admitted.append(seq)
+            seq.num_computed = admission.num_cached_tokens
+            self._pending_copies.extend(admission.block_copies)
+            if not request.admitted:
+                request.num_cached_tokens = admission.num_cached_tokens
+        request.admitted = True
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request by recompute: its prefixes stay cached for readmission."""
+        self.num_preemptions += 1
+        self.running.remove(request)
+        self._inflight = [entry for entry in self._inflight if entry[0] is not request]
+        for seq in request.live_seqs:
+            self.kv.free(seq.seq_id, seq.token_ids[: seq.num_computed])
+            seq.num_computed = 0
+            self._forget_on_worker(seq)
+        self.waiting.insert(0, request)
+
+    # ------------------------------------------------------------------- chunks and input
+
+    def _add_chunk(self, request: Request, seq: Sequence, num_tokens: int) -> None:
+        fanout: list[Sequence] = []
+        completes = seq.num_computed + num_tokens == len(seq.token_ids)
+        if completes and request.pending_fork:
+            fanout = self._fork_streams(request, seq)
+        self._inflight.append((request, seq, num_tokens, fanout))
+
+    def _fork_streams(self, request: Request, leader: Sequence) -> list[Sequence]:
+        """Parallel sampling: the other streams share every prompt block of the leader."""
+        request.forked = True
+        children = []
+        for index in range(1, request.num_sequences):
+            child = self._new_seq(request, index, list(leader.token_ids))
+            self.kv.fork(leader.seq_id, child.seq_id)
+            request.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _build_step_input(self) -> StepInput:
+        chunks, new_seqs, updates = [], [], []
+        for _request, seq, num_tokens, fanout in self._inflight:
+            start = seq.num_computed
+            if not seq.on_worker:
+                new_seqs.append(self._new_seq_message(seq, seq.token_ids[:start]))
+            else:
+                updates.extend(self._table_updates(seq))
+            for child in fanout:
+                end = start + num_tokens
+                new_seqs.append(self._new_seq_message(child, child.token_ids[:end]))
+            chunks.append(
+                Chunk(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids[start : start + num_tokens],
+                    start_pos=start,
+                    sample=start + num_tokens == len(seq.token_ids),
+                    fanout_seq_ids=[c.seq_id for c in fanout],
+                )
+            )
+        drop, self._to_drop = self._to_drop, []
+        return StepInput(
+            step_id=self._step_id,
+            chunks=chunks,
+            new_seqs=new_seqs,
+            block_updates=updates,
+            block_copies=self._pending_copies,
+            finished_seq_ids=drop,
+        )
+
+    def _new_seq_message(self, seq: Sequence, history: list[int]) -> NewSeq:
+        table = list(self.kv.block_ids(seq.seq_id))
+        seq.on_worker = True
+        self._worker_tables[seq.seq_id] = table
+        return NewSeq(
+            seq_id=seq.seq_id, block_ids=list(table), token_ids=history,
+            num_prompt_tokens=seq.num_prompt_tokens, spec=seq.spec,
+        )
+
+    def _table_updates(self, seq: Sequence) -> list[BlockUpdate]:
+        table = self.kv.block_ids(seq.seq_id)
+        sent = self._worker_tables[seq.seq_id]
+        if table == sent:
+            return []
+        start = next(
+            (i for i, (a, b) in enumerate(zip(table, sent, strict=False)) if a != b),
+            min(len(table), len(sent)),
+        )
+        assert len(table) >= len(sent), "a running sequence's block table never shrinks"
+        self._worker_tables[seq.seq_id] = list(table)
+        return [BlockUpdate(seq_id=seq.seq_id, start=start, block_ids=list(table[start:]))]
+
+    def _forget_on_worker(self, seq: Sequence) -> None:
+        if seq.on_worker:
+            self._to_drop.append(seq.seq_id)
+            seq.on_worker = False
+            del self._worker_tables[seq.seq_id]
+
+    # --------------------------------------------------------------------------- update
+
+    def update(self, output: StepOutput) -> None:
+        """Apply the worker's samples to the step that `schedule()` built."""
+        samples = {s.seq_id: s for s in output.samples}
+        touched: dict[str, Request] = {}
+        beam_requests: dict[str, Request] = {}
+        for request, seq, num_tokens, fanout in self._inflight:
+            seq.num_computed += num_tokens
+            for child in fanout:
+                child.num_computed = seq.num_computed
+            self._cache_progress(seq, num_tokens)
+            for s in (seq, *fanout):
+                sample = samples.get(s.seq_id)
+                if sample is None:
+                    continue
+                touched[request.request_id] = request
+                if request.beam is not None:
+                    beam_requests[request.request_id] = request
+                    continue
+                s.token_ids.append(sample.token_id)
+                s.cumulative_logprob += sample.logprob
+                if request.sampling is not None and request.sampling.logprobs is not None:
+                    s.logprobs.append(sample.logprob)
+                    s.top_logprobs.append(
+                        list(zip(sample.top_token_ids, sample.top_logprobs, strict=True))
+                    )
+                reason = self._stop_reason(request, s)
+                if reason is not None:
+                    self._finish_seq(request, s, reason)
+        for request in beam_requests.values():
+            self._advance_beams(request, samples)
+        self._inflight = []
+        for request in touched.values():
+            if not request.live_seqs:
+                self._finish_request(request)
+            else:
+                output_msg = build_output(request, final=False)
+                if output_msg is not None:
+                    self._outputs.append(output_msg)
+        if self._debug:
+            self.kv.check_invariants()
+
+    def _cache_progress(self, seq: Sequence, num_tokens: int) -> None:
+        """Insert newly completed blocks so other requests can hit them while this one runs."""
+        block_size = self.kv.block_size
+        if num_tokens > 1 or seq.num_computed % block_size == 0:
+            self.kv.cache(seq.seq_id, seq.token_ids[: seq.num_computed])
+
+    def _stop_reason(self, request: Request, seq: Sequence) -> FinishReason | None:
+        params = request.sampling
+        assert params is not None
+        token = seq.token_ids[-1]
+        if token in request.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= request.max_new_tokens:
+            return FinishReason.LENGTH
+        if len(seq.token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _advance_beams(self, request: Request, samples: dict[int, Sample]) -> None:
+        group = request.beam
+        assert group is not None
+        live = request.live_seqs
+        result = group.step([_candidates(i, samples[seq.seq_id]) for i, seq in enumerate(live)])
+        chosen: dict[int, int] = {}
+        successors: list[tuple[Sequence, int]] = []
+        for parent_index, token in result.next_beams:
+            parent = live[parent_index]
+            if parent_index not in chosen:
+                chosen[parent_index] = token
+                successors.append((parent, token))
+            else:
+                child = self._new_seq(request, len(request.seqs), list(parent.token_ids))
+                self.kv.fork(parent.seq_id, child.seq_id)
+                child.num_computed = parent.num_computed
+                request.seqs.append(child)
+                successors.append((child, token))
+        for index, seq in enumerate(live):
+            if index not in chosen:
+                self._finish_seq(request, seq, FinishReason.STOP, keep=False)
+        for seq, token in successors:
+            seq.token_ids.append(token)
+        if result.done:
+            for seq in request.live_seqs:
+                self._finish_seq(request, seq, FinishReason.LENGTH, keep=False)
+
+    def _finish_seq(
+        self, request: Request, seq: Sequence, reason: FinishReason, keep: bool = True
+    ) -> None:
+        seq.finish_reason = reason
+        if request.admitted and request in self.running:
+            self.kv.free(seq.seq_id, seq.token_ids[: seq.num_computed])
+        self._forget_on_worker(seq)
+        self.seqs.pop(seq.seq_id, None)
+        if not keep:
+            request.seqs.remove(seq)
+
+    def _finish_request(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.requests.pop(request.request_id, None)
+        output_msg = build_output(request, final=True)
+        assert output_msg is not None
+        self._outputs.append(output_msg)
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def _new_seq(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq_id = SeqId(self._next_seq_id)
+        self._next_seq_id += 1
+        seq = Sequence(
+            seq_id=seq_id,
+            index=index,
+            token_ids=token_ids,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            spec=self._spec_for(request, index),
+        )
+        self.seqs[seq_id] = (request, seq)
+        return seq
+
+    def _spec_for(self, request: Request, index: int) -> SamplingSpec:
+        if request.beam is not None:
+            return SamplingSpec(num_top_logprobs=request.beam.num_candidates)
+        params = request.sampling
+        assert params is not None
+        return SamplingSpec(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            seed=(request.seed * 1_000_003 + index) & _SEED_MASK,
+            num_top_logprobs=params.logprobs or 0,
+        )
+
+    def stats(self) -> EngineStats:
+        kv = self.kv.stats()
+        return EngineStats(
+            num_running_requests=len(self.running),
+            num_waiting_requests=len(self.waiting),
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_cached_blocks=kv.num_cached_blocks,
+            num_referenced_blocks=kv.num_referenced_blocks,
+            kv_waste_tokens=kv.kv_waste_tokens,
+            allocated_slots=kv.allocated_slots,
+            prefix_queried_tokens=kv.queried_tokens,
+            prefix_hit_tokens=kv.hit_tokens,
+            num_preemptions=self.num_preemptions,
+            evicted_blocks=kv.evicted_blocks,
+        )
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    limit = min(len(a), len(b))
+    step = 64
+    i = 0
+    while i + step <= limit and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < limit and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _candidates(beam_index: int, sample: Sample) -> BeamCandidates:
+    return BeamCandidates(
+        beam=beam_index, token_ids=list(sample.top_token_ids), logprobs=list(sample.top_logprobs)
+    )

@@ -1,15 +1,16 @@
 """Beam search over one prompt: which beams live on, which finish, what is returned. Torch-free.
 
 The rules are those of transformers' `generate(num_beams=beam_width, do_sample=False)` for
-one prompt, so both return the same sequences, in the same order, with the same scores.
+one prompt, so both return the same sequences, in the same order, with the same scores (up
+to float rounding: sums here are in float64, transformers' in float32).
 
 One step, for live beams b0, b1 (beam_width 2, one EOS id, so 2 x 2 = 4 candidates kept):
 
-    all candidates, by cumulative logprob    b0+7  b1+EOS  b0+3  b1+9  b0+EOS  ...
-    rank                                      0     1       2     3     (not kept)
-    among the top beam_width (ranks 0, 1):          finished
-    first beam_width not finishing:          live  .       live
-    next live beams: [(0, 7), (0, 3)]  ->  beam 0 is forked, beam 1 is freed
+    candidates by cumulative logprob   b0+7   b1+EOS   b0+3   b1+9  | b0+EOS  ...
+    rank                               0      1        2      3     | not kept
+    finishing, in the top 2:                  finished
+    first 2 not finishing:             live            live
+    next live beams [(0, 7), (0, 3)]: beam 0 is forked, beam 1 is freed
 
 - A candidate finishes when its token is an EOS id (unless ignore_eos) or when it is the
   max_new_tokens-th token. Only finished candidates ranked among the top beam_width may
@@ -43,9 +44,11 @@ FinishReason = Literal["stop", "length"]
 class BeamCandidates:
     """One live beam's best next tokens: `token_ids[i]` has raw logprob `logprobs[i]`.
 
-    `beam` is the beam's index among the live beams. The lists are best first (equal
-    logprobs in ascending token id), as long as each other, and hold the beam's top
-    `BeamSearchGroup.num_candidates` tokens (all of them if the vocabulary is smaller).
+    `beam` is the beam's index among the live beams. Logprobs are the log_softmax of the
+    model's logits, nothing else applied. The lists are as long as each other, best first,
+    and hold at least the beam's top `BeamSearchGroup.num_candidates` tokens (all of them if
+    the vocabulary is smaller; more change nothing). Equal cumulative logprobs rank by beam,
+    then by position in these lists.
     """
 
     beam: int
@@ -172,17 +175,17 @@ class BeamSearchGroup:
         new_hypotheses: list[BeamHypothesis] = []
         for rank, cand in enumerate(ranked):
             stops = cand.token_id in self.eos_token_ids
-            tokens = [*self._live[cand.parent].token_ids, cand.token_id]
             if stops or at_max_len:
                 # Finished candidates below the top beam_width only ever served as spares.
                 if rank < width:
                     reason: FinishReason = "stop" if stops else "length"
                     score = cand.cumulative_logprob / new_len**self.params.length_penalty
+                    tokens = self._extend(cand)
                     new_hypotheses.append(
                         BeamHypothesis(tokens, cand.cumulative_logprob, score, reason)
                     )
             elif len(next_live) < width:
-                next_live.append(_LiveBeam(tokens, cand.cumulative_logprob))
+                next_live.append(_LiveBeam(self._extend(cand), cand.cumulative_logprob))
                 next_beams.append(BeamChoice(cand.parent, cand.token_id))
         self._keep_best(new_hypotheses)
         self._num_generated = new_len
@@ -228,6 +231,9 @@ class BeamSearchGroup:
             for token_id, logprob in zip(entry.token_ids, entry.logprobs, strict=True)
         ]
         return sorted(flat, key=lambda cand: -cand.cumulative_logprob)
+
+    def _extend(self, cand: _Candidate) -> list[int]:
+        return [*self._live[cand.parent].token_ids, cand.token_id]
 
     def _keep_best(self, new_hypotheses: list[BeamHypothesis]) -> None:
         # Stable: on equal scores an older hypothesis stays ahead, then the better-ranked one.

@@ -378,14 +378,13 @@ def test_noise_is_splitmix64_of_key_stream_and_id() -> None:
     assert torch.allclose(noise, torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0)
 
 
-def test_noise_bounds_are_positive_and_finite() -> None:
-    # the extreme uniforms: 52 mantissa bits all zero, all one
-    low = torch.tensor([0], dtype=torch.float64)
-    high = torch.tensor([(1 << 52) - 1], dtype=torch.float64)
-    for mantissa in (low, high):
-        uniform = (mantissa + 0.5) * 2.0**-52
-        assert 0.0 < uniform.item() < 1.0
-        assert 0.0 < -math.log(uniform.item()) < 37.0
+def test_noise_is_exponential() -> None:
+    keys = torch.tensor([row_key(seed, 7) >> 1 for seed in range(64)])[:, None]
+    noise = exponential_noise(keys, 1, torch.arange(4096)[None, :])  # 262,144 draws of Exp(1)
+    assert noise.min().item() > 0.0 and noise.max().item() <= 37.0
+    assert abs(noise.mean().item() - 1.0) < 0.01  # standard error 0.002
+    assert abs(noise.var().item() - 1.0) < 0.03  # standard error ~0.006
+    assert abs((noise > 1.0).double().mean().item() - math.exp(-1.0)) < 0.005
 
 
 def test_row_key_reduces_seeds_to_64_bits() -> None:

@@ -1,0 +1,91 @@
+"""One node of the radix tree: a run of tokens and the blocks that hold their KV."""
+
+from __future__ import annotations
+
+from sortedcontainers import SortedList
+
+from radixkv.kvcache.ids import BlockId
+from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, decode_tokens
+
+
+class RadixNode:
+    """A node's tokens start at token offset `start` of every sequence whose path crosses it.
+
+        tokens     t0 .. t15 | t16 .. t31 | t32 .. t38        (block_size 16)
+        block_ids  b7        | b2         | b9 (partial: 7 of 16 tokens)
+
+    `tokens` and `key` are packed (see token_key). `len(block_ids) == ceil(num_tokens /
+    block_size)`; only a leaf may end with a partial block, because children hang at block
+    boundaries. `children` maps each child's first block (`key`, partial only for a one-block
+    partial leaf) to the child; `child_keys` holds the same keys sorted, so the child sharing
+    the longest prefix with a block of a query is a neighbour of the query's bisection point
+    (keys starting with a given prefix form one contiguous run of the sorted order).
+
+    `lock_count` counts the locks held on this node and on its descendants: a node is locked
+    while a live sequence uses it, locked nodes are never evicted. `stamp` is the tree clock
+    at the node's creation or last release; unlocked leaves are evicted in stamp order.
+    Roots (one per salt) have no parent, no tokens and no blocks; a removed node has no parent
+    either.
+    """
+
+    __slots__ = (
+        "parent",
+        "key",
+        "start",
+        "tokens",
+        "block_ids",
+        "children",
+        "child_keys",
+        "num_partial_children",
+        "lock_count",
+        "stamp",
+    )
+
+    def __init__(
+        self,
+        parent: RadixNode | None,
+        key: TokenKey,
+        start: int,
+        tokens: TokenKey,
+        block_ids: list[BlockId],
+        stamp: int,
+    ) -> None:
+        self.parent = parent
+        self.key = key
+        self.start = start
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.children: dict[TokenKey, RadixNode] = {}
+        self.child_keys: SortedList | None = None  # created with the first child
+        self.num_partial_children = 0
+        self.lock_count = 0
+        self.stamp = stamp
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def end(self) -> int:
+        """Token offset just past this node's tokens."""
+        return self.start + len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return decode_tokens(self.tokens)
+
+    def path(self) -> list[RadixNode]:
+        """Nodes from the root's child down to this one (empty for a root or removed node)."""
+        nodes = []
+        node: RadixNode | None = self
+        while node is not None and node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixNode(start={self.start}, num_tokens={self.num_tokens}, "
+            f"block_ids={self.block_ids}, lock_count={self.lock_count}, stamp={self.stamp})"
+        )

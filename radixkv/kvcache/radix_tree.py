@@ -1,0 +1,552 @@
+"""The radix tree over token ids: which computed prefixes live in which blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+from sortedcontainers import SortedList
+
+from radixkv.kvcache.block_allocator import BlockAllocator
+from radixkv.kvcache.errors import InvalidTokensError
+from radixkv.kvcache.eviction import LRUOrder
+from radixkv.kvcache.ids import BlockId, Salt
+from radixkv.kvcache.radix_node import RadixNode
+from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, common_prefix_tokens, encode_tokens
+
+
+class PrefixMatch(NamedTuple):
+    """The longest cached prefix of a query, token-granular.
+
+        query       | q0 .. q15 | q16 .. q31 | q32 q33 q34 x ...
+        tree        | b7        | b2         | b9: q32 q33 q34 y ...
+        match       block_ids=[b7, b2], partial_block_id=b9, num_partial_tokens=3
+
+    The caller shares `block_ids` as they are and copies `partial_block_id` into a fresh block
+    (copy-on-write), then computes from token `num_tokens` on. `node` is the deepest node whose
+    blocks the match uses (the partial block's node included) and `num_node_blocks` how many
+    of its leading blocks it uses: `lock_prefix(node, num_node_blocks)` while they are in use.
+    """
+
+    block_ids: list[BlockId]
+    partial_block_id: BlockId | None
+    num_partial_tokens: int
+    num_tokens: int
+    node: RadixNode | None
+    num_node_blocks: int
+
+
+class InsertResult(NamedTuple):
+    """What `insert` did with a caller's blocks.
+
+    `node` is the deepest node holding the caller's tokens (lock it), None when none are held.
+    The tree now holds the caller's first `num_blocks` blocks on the path to `node`: its own
+    ids, except `duplicates` (logical index, tree block id) where the tree already held the
+    same tokens in another block; the last `num_new_blocks` of them are the caller's blocks
+    that the tree took (one incref each), all in `node`.
+    """
+
+    node: RadixNode | None
+    num_blocks: int
+    num_new_blocks: int
+    duplicates: list[tuple[int, BlockId]]
+
+
+_NO_MATCH = PrefixMatch([], None, 0, 0, None, 0)
+
+
+class RadixTree:
+    """Token prefix -> blocks, one root per salt, with lock counts and LRU eviction.
+
+    The tree holds one reference (refcount) on every block of every node. Nodes split only at
+    block boundaries, so every node's token count is a multiple of block_size except a leaf
+    ending in a partially filled block (a finished sequence's tail). Evictable = unlocked
+    leaves, oldest stamp first; evicting frees a leaf's blocks tail first and a parent left
+    without children becomes evictable in turn.
+
+    The caller (the manager) keeps one rule that makes eviction exact: every tree block a live
+    sequence references lies on the path to a node that sequence has locked. Blocks of unlocked
+    nodes are therefore held by the tree alone and evicting them frees them.
+
+    Token runs are packed keys (token_key); `match_prefix` and `insert` take token ids and
+    pack them, `match_key` and `insert_key` take packed keys.
+    """
+
+    __slots__ = (
+        "block_size",
+        "num_blocks",
+        "num_evictable_blocks",
+        "num_evicted_blocks",
+        "_block_bytes",
+        "_allocator",
+        "_roots",
+        "_lru",
+        "_clock",
+    )
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self.num_blocks = 0  # blocks held by the tree
+        self.num_evictable_blocks = 0  # blocks of unlocked nodes
+        self.num_evicted_blocks = 0  # cumulative, through evict()
+        self._block_bytes = block_size * TOKEN_BYTES
+        self._allocator = allocator
+        self._roots: dict[Salt, RadixNode] = {}
+        self._lru: LRUOrder[RadixNode] = LRUOrder()
+        self._clock = 0
+
+    # ------------------------------------------------------------------------------ lookup
+
+    def root(self, salt: Salt) -> RadixNode | None:
+        return self._roots.get(salt)
+
+    def match_prefix(
+        self, token_ids: Sequence[int], salt: Salt, max_tokens: int | None = None
+    ) -> PrefixMatch:
+        """Longest prefix of `token_ids[:max_tokens]` cached under `salt`. Mutates nothing.
+
+        Full blocks are returned for sharing; when the match ends inside a cached block,
+        that block and how many of its tokens match are returned for copying.
+        """
+        return self.match_key(encode_tokens(token_ids), salt, max_tokens)
+
+    def match_key(self, key: TokenKey, salt: Salt, max_tokens: int | None = None) -> PrefixMatch:
+        """`match_prefix` of a packed key."""
+        node = self._roots.get(salt)
+        n = len(key) if max_tokens is None else min(len(key), max_tokens * TOKEN_BYTES)
+        if node is None or n <= 0:
+            return _NO_MATCH
+        bb = self._block_bytes
+        block_ids: list[BlockId] = []
+        deepest: RadixNode | None = None
+        pos = 0  # bytes
+        while pos < n:
+            if not node.children:
+                break
+            end = pos + bb
+            if end <= n:
+                query = key[pos:end]
+                child = node.children.get(query)
+            else:
+                query = key[pos:n]
+                child = None
+            if child is None:
+                child, num_common = _longest_common_child(node, query)
+                if num_common:
+                    return PrefixMatch(
+                        block_ids, child.block_ids[0], num_common,
+                        pos // TOKEN_BYTES + num_common, child, 1,
+                    )
+                break
+            child_tokens = child.tokens
+            child_len = len(child_tokens)
+            if pos + child_len <= n and key[pos : pos + child_len] == child_tokens:
+                num_full = child_len // bb
+                if num_full * bb == child_len:
+                    block_ids.extend(child.block_ids)
+                    node = deepest = child
+                    pos += child_len
+                    continue
+                # a partial leaf matches to its end: its last block can only be copied
+                block_ids.extend(child.block_ids[:num_full])
+                return PrefixMatch(
+                    block_ids, child.block_ids[num_full], (child_len - num_full * bb)
+                    // TOKEN_BYTES, (pos + child_len) // TOKEN_BYTES, child, num_full + 1,
+                )
+            # the match ends inside `child`
+            num_equal = _num_equal_blocks(key, pos, n, child_tokens, bb)
+            block_ids.extend(child.block_ids[:num_equal])
+            offset = num_equal * bb
+            pos += offset
+            num_common = common_prefix_tokens(
+                key[pos : min(n, pos + bb)], child_tokens[offset : offset + bb]
+            )
+            if num_common:
+                return PrefixMatch(
+                    block_ids, child.block_ids[num_equal], num_common,
+                    pos // TOKEN_BYTES + num_common, child, num_equal + 1,
+                )
+            return PrefixMatch(block_ids, None, 0, pos // TOKEN_BYTES, child, num_equal)
+        num_node_blocks = len(deepest.block_ids) if deepest is not None else 0
+        return PrefixMatch(block_ids, None, 0, pos // TOKEN_BYTES, deepest, num_node_blocks)
+
+    # ------------------------------------------------------------------------------ insert
+
+    def insert(
+        self, token_ids: Sequence[int], block_ids: Sequence[BlockId], salt: Salt
+    ) -> InsertResult:
+        """Cache `token_ids`, whose KV is in `block_ids` (the last block may be partial).
+
+        Where the tree already holds the same full blocks of tokens, the tree's blocks win and
+        are reported as duplicates (the caller should switch to them and release its own).
+        The caller's remaining blocks are taken (incref) into one new leaf, splitting the node
+        where the tokens diverge at the block boundary before the divergence. A partial tail
+        whose tokens the tree already holds (in a block with at least as many) is not taken; a
+        tail or block that is fuller than an unlocked partial leaf agreeing on its tokens
+        replaces that leaf (its block is decrefed). Never evicts otherwise; locks nothing.
+        Raises InvalidTokensError when len(block_ids) != ceil(len(token_ids) / block_size).
+        """
+        return self.insert_key(encode_tokens(token_ids), block_ids, salt)
+
+    def insert_key(
+        self,
+        key: TokenKey,
+        block_ids: Sequence[BlockId],
+        salt: Salt,
+        start: RadixNode | None = None,
+    ) -> InsertResult:
+        """`insert` of a packed key. With `start`, resume at that node instead of the root: it
+        must end on a block boundary and its path must spell the key's tokens up to its end
+        (the caller vouches for that; it is not re-checked).
+        """
+        bs, bb = self.block_size, self._block_bytes
+        n = len(key)
+        num_tokens = n // TOKEN_BYTES
+        if len(block_ids) != -(-num_tokens // bs):
+            raise InvalidTokensError(
+                f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks of {bs}, "
+                f"got {len(block_ids)}"
+            )
+        if start is None:
+            node = self._roots.get(salt)
+            if node is None:
+                node = self._roots[salt] = RadixNode(None, b"", 0, b"", [], 0)
+            pos = 0
+        else:
+            node = start
+            pos = start.end * TOKEN_BYTES
+            assert pos % bb == 0 and pos <= n, "insertion resumes only at a block boundary"
+        deepest = node if node.parent is not None else None
+        duplicates: list[tuple[int, BlockId]] = []
+        while pos < n:
+            end = pos + bb
+            query = key[pos:end]
+            child = node.children.get(query)
+            if child is None:
+                if end > n and self._holds_prefix(node, query):
+                    break  # a fuller block already holds our partial tail
+                leaf = self._attach(node, key, pos, block_ids)
+                return InsertResult(leaf, len(block_ids), len(leaf.block_ids), duplicates)
+            if end > n:
+                break  # an identical partial leaf already holds our partial tail
+            child_tokens = child.tokens
+            child_len = len(child_tokens)
+            first = pos // bb
+            if (
+                child_len % bb == 0
+                and pos + child_len <= n
+                and key[pos : pos + child_len] == child_tokens
+            ):
+                _note_duplicates(child.block_ids, block_ids, first, duplicates)
+                node = deepest = child
+                pos += child_len
+                continue
+            num_equal = _num_equal_blocks(key, pos, n, child_tokens, bb)
+            _note_duplicates(child.block_ids[:num_equal], block_ids, first, duplicates)
+            deepest = child
+            offset = num_equal * bb
+            pos += offset
+            if pos >= n:
+                break
+            ours = key[pos : pos + bb]
+            if len(ours) < bb and child_tokens[offset : offset + len(ours)] == ours:
+                break  # the child's next block holds our partial tail
+            # diverging (or fuller than the child's partial tail): the new leaf hangs at the
+            # block boundary, next to what remains of the child
+            node = self._split(child, num_equal)
+        return InsertResult(deepest, pos // bb, 0, duplicates)
+
+    # ------------------------------------------------------------------------ lock, evict
+
+    def lock(self, node: RadixNode) -> None:
+        """Lock `node` and its path to the root (lock_count + 1 each): none can be evicted."""
+        lru = self._lru
+        while node.parent is not None:
+            if node.lock_count == 0:
+                self.num_evictable_blocks -= len(node.block_ids)
+                if not node.children:
+                    lru.remove(node.stamp)
+            node.lock_count += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode, touch: bool = True) -> None:
+        """Undo one `lock(node)`. Stamps the path as just used, deepest node oldest (with
+        `touch=False`, `node` itself keeps its stamp: it was locked without being used, e.g.
+        only as a copy-on-write source). Nodes whose lock count reaches zero become
+        evictable (leaves enter the LRU order)."""
+        lru = self._lru
+        clock = self._clock
+        while node.parent is not None:
+            count = node.lock_count - 1
+            assert count >= 0, f"unlock of unlocked node {node!r}"
+            node.lock_count = count
+            if touch:
+                clock += 1
+                node.stamp = clock
+            touch = True
+            if count == 0:
+                self.num_evictable_blocks += len(node.block_ids)
+                if not node.children:
+                    lru.add(node.stamp, node)
+            node = node.parent
+        self._clock = clock
+
+    def lock_prefix(self, node: RadixNode, num_blocks: int) -> RadixNode:
+        """Lock the first `num_blocks` blocks of `node`, and its path: when `node` has more,
+        it is first split after them so that its tail stays evictable. Returns the node that
+        now holds the lock (`node`, or the new upper part of it); `unlock` that one."""
+        if 0 < num_blocks < len(node.block_ids):
+            node = self._split(node, num_blocks)
+        self.lock(node)
+        return node
+
+    def num_blocks_protected_by_lock(self, node: RadixNode | None, num_blocks: int) -> int:
+        """How many evictable blocks `lock_prefix(node, num_blocks)` would protect."""
+        if node is None or node.lock_count:
+            return 0
+        total = min(num_blocks, len(node.block_ids))
+        node = node.parent
+        while node is not None and node.parent is not None and node.lock_count == 0:
+            total += len(node.block_ids)
+            node = node.parent
+        return total
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` blocks of unlocked leaves, least recently used first.
+
+        A leaf gives up its blocks tail first; a leaf left empty is removed and a parent left
+        without children joins the LRU order. Returns how many blocks were freed.
+        """
+        lru = self._lru
+        num_freed = 0
+        while num_freed < num_blocks and len(lru):
+            leaf = lru.oldest()
+            wanted = num_blocks - num_freed
+            if len(leaf.block_ids) <= wanted:
+                num_freed += self._remove_leaf(leaf)
+            else:
+                num_freed += self._truncate(leaf, wanted)
+        self.num_evicted_blocks += num_freed
+        return num_freed
+
+    # --------------------------------------------------------------------- introspection
+
+    def salts(self) -> list[Salt]:
+        return list(self._roots)
+
+    def nodes(self, salt: Salt) -> Iterator[RadixNode]:
+        """Every non-root node under `salt`, parents before children, children by key."""
+        root = self._roots.get(salt)
+        if root is None:
+            return
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if node is not root:
+                yield node
+            if node.child_keys is not None:
+                stack.extend(node.children[key] for key in reversed(node.child_keys))
+
+    def lru_order(self) -> list[RadixNode]:
+        """The evictable leaves, least recently used first."""
+        return list(self._lru)
+
+    def check_invariants(self) -> None:
+        """Shape, keys, counts and the LRU set; raises AssertionError naming the first break."""
+        bs, bb = self.block_size, self._block_bytes
+        seen: set[BlockId] = set()
+        num_blocks = num_evictable = 0
+        leaves = set()
+        for salt in self._roots:
+            root = self._roots[salt]
+            assert root.parent is None and not root.tokens and not root.block_ids
+            assert root.lock_count == 0, f"root of salt {salt!r} is locked"
+            for node in self.nodes(salt):
+                where = f"salt {salt!r} node {node!r}"
+                parent = node.parent
+                assert parent is not None and parent.children.get(node.key) is node, where
+                assert node.tokens and node.key == node.tokens[:bb], f"{where}: bad key"
+                assert len(node.tokens) % TOKEN_BYTES == 0, f"{where}: torn token"
+                assert node.start == parent.end, f"{where}: starts at {node.start}"
+                assert node.start % bs == 0, f"{where}: not at a block boundary"
+                num_node_blocks = -(-len(node.tokens) // bb)
+                assert len(node.block_ids) == num_node_blocks, f"{where}: tokens vs blocks"
+                assert len(node.tokens) % bb == 0 or not node.children, (
+                    f"{where}: a partial block that is not a leaf's tail"
+                )
+                for block_id in node.block_ids:
+                    assert block_id not in seen, f"{where}: block {block_id} held twice"
+                    assert self._allocator.refcount(block_id) >= 1, f"{where}: block freed"
+                    seen.add(block_id)
+                child_locks = sum(child.lock_count for child in node.children.values())
+                assert node.lock_count >= child_locks, f"{where}: fewer locks than children"
+                keys = list(node.child_keys) if node.child_keys is not None else []
+                assert keys == sorted(node.children), f"{where}: child_keys out of sync"
+                num_partial = sum(1 for key in node.children if len(key) < bb)
+                assert node.num_partial_children == num_partial, f"{where}: partial count"
+                num_blocks += len(node.block_ids)
+                if node.lock_count == 0:
+                    num_evictable += len(node.block_ids)
+                    if not node.children:
+                        leaves.add(id(node))
+                assert node.stamp <= self._clock, f"{where}: stamp from the future"
+        assert num_blocks == self.num_blocks, f"tree holds {num_blocks}, counted {self.num_blocks}"
+        assert num_evictable == self.num_evictable_blocks, (
+            f"unlocked nodes hold {num_evictable} blocks, counted {self.num_evictable_blocks}"
+        )
+        in_lru = {id(node) for node in self._lru}
+        assert in_lru == leaves, "the LRU order is not exactly the unlocked leaves"
+        for stamp, node in zip(self._lru.stamps(), self._lru, strict=True):
+            assert stamp == node.stamp, f"{node!r} is in the LRU order under stamp {stamp}"
+
+    # --------------------------------------------------------------------------- helpers
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _holds_prefix(self, node: RadixNode, query: TokenKey) -> bool:
+        keys = node.child_keys
+        if not keys:
+            return False
+        index = keys.bisect_left(query)
+        return index < len(keys) and keys[index][: len(query)] == query
+
+    def _attach(
+        self, parent: RadixNode, key: TokenKey, pos: int, block_ids: Sequence[BlockId]
+    ) -> RadixNode:
+        """Hang the rest of `key` (from byte `pos`, a block boundary) and of `block_ids`
+        under `parent` as a new leaf, taking the blocks."""
+        bb = self._block_bytes
+        child_key = key[pos : pos + bb]
+        if parent.num_partial_children:
+            self._drop_superseded_partials(parent, child_key)
+        taken = list(block_ids[pos // bb :])
+        self._allocator.incref_all(taken)
+        leaf = RadixNode(parent, child_key, pos // TOKEN_BYTES, key[pos:], taken, self._tick())
+        if parent.parent is not None and not parent.children and parent.lock_count == 0:
+            self._lru.remove(parent.stamp)
+        self._add_child(parent, leaf)
+        self._lru.add(leaf.stamp, leaf)
+        self.num_blocks += len(taken)
+        self.num_evictable_blocks += len(taken)
+        return leaf
+
+    def _drop_superseded_partials(self, parent: RadixNode, child_key: TokenKey) -> None:
+        """Remove unlocked partial leaves whose tokens `child_key` extends: it holds them too."""
+        for size in range(TOKEN_BYTES, len(child_key), TOKEN_BYTES):
+            leaf = parent.children.get(child_key[:size])
+            if leaf is not None and leaf.lock_count == 0:
+                self._remove_leaf(leaf)
+
+    def _add_child(self, parent: RadixNode, child: RadixNode) -> None:
+        parent.children[child.key] = child
+        if parent.child_keys is None:
+            parent.child_keys = SortedList()
+        parent.child_keys.add(child.key)
+        if len(child.key) < self._block_bytes:
+            parent.num_partial_children += 1
+
+    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
+        """Cut `node` after its first `num_blocks` blocks; returns the new upper node.
+
+        The node object keeps the lower part, so locks held on it still cover its path.
+        """
+        bb = self._block_bytes
+        at = num_blocks * bb
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.tokens)
+        upper = RadixNode(
+            parent, node.key, node.start, node.tokens[:at], node.block_ids[:num_blocks],
+            self._tick(),
+        )
+        upper.lock_count = node.lock_count
+        parent.children[node.key] = upper
+        node.parent = upper
+        node.start += num_blocks * self.block_size
+        node.tokens = node.tokens[at:]
+        node.block_ids = node.block_ids[num_blocks:]
+        node.key = node.tokens[:bb]
+        self._add_child(upper, node)
+        return upper
+
+    def _remove_leaf(self, leaf: RadixNode) -> int:
+        parent = leaf.parent
+        assert parent is not None and not leaf.children and leaf.lock_count == 0
+        del parent.children[leaf.key]
+        assert parent.child_keys is not None
+        parent.child_keys.remove(leaf.key)
+        if len(leaf.key) < self._block_bytes:
+            parent.num_partial_children -= 1
+        self._lru.remove(leaf.stamp)
+        block_ids = leaf.block_ids
+        self.num_blocks -= len(block_ids)
+        self.num_evictable_blocks -= len(block_ids)
+        num_freed = self._allocator.decref_all(reversed(block_ids))
+        assert num_freed == len(block_ids), f"evicted blocks of {leaf!r} are still referenced"
+        leaf.block_ids = []
+        leaf.parent = None  # removed: on no path any more
+        if parent.parent is not None and not parent.children and parent.lock_count == 0:
+            self._lru.add(parent.stamp, parent)
+        return num_freed
+
+    def _truncate(self, leaf: RadixNode, num_blocks: int) -> int:
+        keep = len(leaf.block_ids) - num_blocks
+        assert keep > 0 and leaf.lock_count == 0
+        dropped = leaf.block_ids[keep:]
+        del leaf.block_ids[keep:]
+        leaf.tokens = leaf.tokens[: keep * self._block_bytes]
+        self.num_blocks -= num_blocks
+        self.num_evictable_blocks -= num_blocks
+        num_freed = self._allocator.decref_all(reversed(dropped))
+        assert num_freed == num_blocks, f"evicted blocks of {leaf!r} are still referenced"
+        return num_freed
+
+
+def _num_equal_blocks(key: TokenKey, pos: int, end: int, node_tokens: TokenKey, bb: int) -> int:
+    """How many leading full blocks (of `bb` bytes) of `node_tokens` equal `key[pos:end]`,
+    the first being known equal. Binary search: prefix equality is monotone in length."""
+    low = 1
+    high = min(len(node_tokens), end - pos) // bb
+    while low < high:
+        mid = (low + high + 1) // 2
+        size = mid * bb
+        if key[pos : pos + size] == node_tokens[:size]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _longest_common_child(node: RadixNode, query: TokenKey) -> tuple[RadixNode, int]:
+    """The child whose first block shares the most leading tokens with `query`, and how many.
+
+    Only the two keys around the query's bisection point can share the longest prefix.
+    """
+    keys = node.child_keys
+    assert keys is not None
+    index = keys.bisect_left(query)
+    best_key = keys[index - 1] if index > 0 else keys[index]
+    best = common_prefix_tokens(query, best_key)
+    if 0 < index < len(keys):
+        key = keys[index]
+        common = common_prefix_tokens(query, key)
+        if common > best:
+            best_key, best = key, common
+    return node.children[best_key], best
+
+
+def _note_duplicates(
+    tree_block_ids: list[BlockId],
+    block_ids: Sequence[BlockId],
+    first: int,
+    duplicates: list[tuple[int, BlockId]],
+) -> None:
+    ours = list(block_ids[first : first + len(tree_block_ids)])
+    if ours == tree_block_ids:
+        return
+    for offset, tree_block_id in enumerate(tree_block_ids):
+        if ours[offset] != tree_block_id:
+            duplicates.append((first + offset, tree_block_id))

@@ -174,25 +174,46 @@ class Scheduler:
 
     def _schedule_running(self, token_budget: int) -> int:
         for request in list(self.running):
-            if request not in self.running:  # preempted while scheduling an older one
-                continue
-            live = request.live_seqs
-            if request.beam is not None and token_budget < len(live):
-                continue  # beams advance together or not at all
-            for seq in live:
-                if token_budget == 0:
-                    return 0
-                num_tokens = min(seq.num_uncomputed, token_budget)
-                if not self._reserve(request, seq, num_tokens):
-                    if request not in self.running:
-                        break  # the request itself was preempted
-                    continue
-                token_budget -= num_tokens
-                self._add_chunk(request, seq, num_tokens)
+            if token_budget == 0:
+                break
+            if request in self.running:  # not preempted while scheduling an older one
+                token_budget -= self._schedule_request(request, token_budget)
         return token_budget
 
+    def _schedule_request(self, request: Request, token_budget: int) -> int:
+        """Chunks for the live sequences of a running request; returns the tokens used."""
+        used = 0
+        for seq, num_tokens in self._plan_chunks(request, token_budget):
+            if not self._reserve(request, seq, num_tokens):
+                break  # the request itself was preempted (its chunks went with it)
+            used += num_tokens
+            self._add_chunk(request, seq, num_tokens)
+        return used
+
+    @staticmethod
+    def _plan_chunks(request: Request, token_budget: int) -> list[tuple[Sequence, int]]:
+        plan = []
+        live = request.live_seqs
+        if request.beam is not None and sum(s.num_uncomputed for s in live) > token_budget:
+            # Beams are ranked together: no beam reaches its sampled token before all can,
+            # so a recompute that does not fit this step stops one token short everywhere.
+            for seq in live:
+                num_tokens = min(seq.num_uncomputed - 1, token_budget)
+                if num_tokens > 0:
+                    plan.append((seq, num_tokens))
+                    token_budget -= num_tokens
+            return plan
+        for seq in live:
+            num_tokens = min(seq.num_uncomputed, token_budget)
+            if num_tokens == 0:
+                break
+            plan.append((seq, num_tokens))
+            token_budget -= num_tokens
+        return plan
+
     def _reserve(self, request: Request, seq: Sequence, num_tokens: int) -> bool:
-        """Make room for `num_tokens` more computed tokens, preempting newer requests."""
+        """Make room for `num_tokens` more computed tokens, preempting the newest requests;
+        False when that had to be `request` itself."""
         needed = seq.num_computed + num_tokens - self.kv.num_tokens(seq.seq_id)
         if needed <= 0:
             return True
@@ -218,12 +239,7 @@ class Scheduler:
             self.waiting.remove(request)
             self.running.append(request)
             seats -= request.num_sequences
-            for seq in request.live_seqs:
-                num_tokens = min(seq.num_uncomputed, token_budget)
-                if num_tokens == 0:
-                    break
-                token_budget -= num_tokens
-                self._add_chunk(request, seq, num_tokens)
+            token_budget -= self._schedule_request(request, token_budget)
 
     def _waiting_order(self) -> list[Request]:
         """Aged (and preempted) requests first in arrival order, then longest cached prefix."""

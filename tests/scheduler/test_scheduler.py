@@ -32,9 +32,10 @@ def make(
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: Sequence[int], **kw: object) -> None:
-    params = kw.pop("params", None) or greedy()
+    params: SamplingParams = kw.pop("params", None) or greedy()  # type: ignore[assignment]
+    salt: str | None = kw.pop("salt", None)  # type: ignore[assignment]
     scheduler.add_request(
-        AddRequest(request_id, list(prompt), sampling=params, eos_token_ids=(EOS,), **kw)  # type: ignore[arg-type]
+        AddRequest(request_id, list(prompt), sampling=params, salt=salt, eos_token_ids=(EOS,))
     )
 
 
@@ -370,7 +371,13 @@ def test_random_workload_matches_the_model_function(seed: int) -> None:
 
     preemptions: list[int] = []
     reference = play(num_blocks=400, prefix=False, abort=False)
-    tight = play(num_blocks=18, prefix=True, abort=True)
+    def blocks_needed(prompt: list[int], params: SamplingParams | BeamSearchParams) -> int:
+        beam = isinstance(params, BeamSearchParams)
+        width = params.beam_width if beam else params.num_sequences  # type: ignore[union-attr]
+        return -(-len(prompt) // BLOCK) + width * (-(-params.max_tokens // BLOCK) + 1)
+
+    smallest = max(blocks_needed(prompt, params) for _, prompt, params in requests)
+    tight = play(num_blocks=max(18, smallest), prefix=True, abort=True)
     assert preemptions[0] == 0 and preemptions[1] > 0
     for rid, prompt, params in requests:
         if rid in aborted:

@@ -464,6 +464,8 @@ class Scheduler:
                 self._finish_seq(request, seq, FinishReason.STOP, keep=False)
         for seq, token in successors:
             seq.token_ids.append(token)
+        # The group numbers live beams in its own order; keep request.seqs in that order.
+        request.seqs = [seq for seq, _ in successors]
         if result.done:
             for seq in request.live_seqs:
                 self._finish_seq(request, seq, FinishReason.LENGTH, keep=False)

@@ -39,7 +39,9 @@ def add(scheduler: Scheduler, request_id: str, prompt: Sequence[int], **kw: obje
     )
 
 
-def run(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 1000) -> dict[str, list[RequestOutput]]:
+def run(
+    scheduler: Scheduler, worker: FakeWorker, max_steps: int = 1000
+) -> dict[str, list[RequestOutput]]:
     outputs: dict[str, list[RequestOutput]] = {}
     for _ in range(max_steps):
         if not scheduler.has_work:

@@ -227,6 +227,15 @@ class RadixTree:
             if child is None:
                 if end > n and self._holds_prefix(node, query):
                     break  # a fuller block already holds our partial tail
+                if node.num_partial_children:
+                    grown = self._grow_partial_leaf(node, query, block_ids[pos // bb])
+                    if grown is not None:  # we wrote more tokens into a block cached partially
+                        deepest = grown
+                        if end >= n:
+                            return InsertResult(grown, len(block_ids), 0, duplicates)
+                        node = grown
+                        pos = end
+                        continue
                 leaf = self._attach(node, key, pos, block_ids)
                 return InsertResult(leaf, len(block_ids), len(leaf.block_ids), duplicates)
             if end > n:
@@ -440,6 +449,24 @@ class RadixTree:
             leaf = parent.children.get(child_key[:size])
             if leaf is not None and leaf.lock_count == 0:
                 self._remove_leaf(leaf)
+
+    def _grow_partial_leaf(
+        self, parent: RadixNode, child_key: TokenKey, block_id: BlockId
+    ) -> RadixNode | None:
+        """The partial leaf that holds `block_id` with fewer tokens than `child_key`, if any,
+        now holding all of `child_key` (the block has them: its holder wrote them, and any
+        other holder copies it before writing)."""
+        for size in range(TOKEN_BYTES, len(child_key), TOKEN_BYTES):
+            leaf = parent.children.get(child_key[:size])
+            if leaf is not None and leaf.block_ids[0] == block_id:
+                del parent.children[leaf.key]
+                assert parent.child_keys is not None
+                parent.child_keys.remove(leaf.key)
+                parent.num_partial_children -= 1
+                leaf.key = leaf.tokens = child_key
+                self._add_child(parent, leaf)
+                return leaf
+        return None
 
     def _add_child(self, parent: RadixNode, child: RadixNode) -> None:
         parent.children[child.key] = child

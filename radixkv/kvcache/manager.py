@@ -1,0 +1,448 @@
+"""The façade the scheduler uses: sequences in, block tables out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from radixkv.kvcache.admission import Admission
+from radixkv.kvcache.block_allocator import BlockAllocator
+from radixkv.kvcache.errors import InvalidTokensError, SequenceExistsError, UnknownSequenceError
+from radixkv.kvcache.growth import NO_GROWTH, Growth
+from radixkv.kvcache.ids import BlockCopy, BlockId, Salt, SeqId
+from radixkv.kvcache.invariants import check_manager_invariants
+from radixkv.kvcache.radix_node import RadixNode
+from radixkv.kvcache.radix_tree import InsertResult, RadixTree
+from radixkv.kvcache.sequence_blocks import SequenceBlocks
+from radixkv.kvcache.stats import KVCacheStats
+from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, decode_tokens, encode_tokens
+
+
+class KVCacheManager:
+    """Block tables of live sequences over one pool, sharing computed prefixes.
+
+    A block's refcount is the number of live sequences whose table holds it, plus one while
+    the radix tree caches it. Each live sequence holds one lock in the tree, on a node whose
+    path holds every tree block the sequence uses; so the blocks of unlocked nodes are held by
+    the tree alone, and `num_available_blocks()` (free + evictable) is exact. Allocation
+    evicts unlocked cached prefixes, least recently used first, when the free list runs short.
+    With `enable_prefix_caching=False` nothing is ever matched or inserted.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(num_blocks)
+        self.tree = RadixTree(self.allocator, block_size)
+        self._seqs: dict[SeqId, SequenceBlocks] = {}
+        self._hit_tokens = 0
+        self._queried_tokens = 0
+
+    # ----------------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list (cached blocks not counted)."""
+        return self.allocator.num_free_blocks
+
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation could get now: free ones plus evictable cached ones."""
+        return self.allocator.num_free_blocks + self.tree.num_evictable_blocks
+
+    def block_ids(self, seq_id: SeqId) -> list[BlockId]:
+        """A copy of the sequence's block table. Raises UnknownSequenceError."""
+        return list(self._get(seq_id).block_ids)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Tokens with reserved slots. Raises UnknownSequenceError."""
+        return self._get(seq_id).num_tokens
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def peek_prefix(self, token_ids: Sequence[int], salt: Salt) -> int:
+        """Tokens `admit` would reuse now for this prompt. Mutates nothing, not even LRU order."""
+        if not self.enable_prefix_caching or len(token_ids) <= 1:
+            return 0
+        return self.tree.match_key(encode_tokens(token_ids), salt, len(token_ids) - 1).num_tokens
+
+    # ------------------------------------------------------------------- sequences
+
+    def admit(self, seq_id: SeqId, token_ids: Sequence[int], salt: Salt) -> Admission | None:
+        """Start a sequence with a block table for all of `token_ids`.
+
+        Matches `token_ids[:-1]` (the last token is always computed), shares the matched full
+        blocks (incref), locks the matched path, allocates the rest, the first fresh block
+        being the copy-on-write destination when the match ends inside a cached block.
+        Evicts unlocked cached prefixes as needed. All or nothing: returns None and changes
+        nothing (not even LRU order) when the blocks cannot be found.
+        Raises SequenceExistsError if `seq_id` is live, InvalidTokensError if the prompt is
+        empty.
+        """
+        if seq_id in self._seqs:
+            raise SequenceExistsError(f"sequence {seq_id} is already live")
+        key = encode_tokens(token_ids)
+        num_tokens = len(key) // TOKEN_BYTES
+        if num_tokens == 0:
+            raise InvalidTokensError("a prompt needs at least one token")
+        tree = self.tree
+        allocator = self.allocator
+        num_table_blocks = -(-num_tokens // self.block_size)
+        if self.enable_prefix_caching:
+            match = tree.match_key(key, salt, num_tokens - 1)
+            shared, node, num_node_blocks = match.block_ids, match.node, match.num_node_blocks
+        else:
+            match, shared, node, num_node_blocks = None, [], None, 0
+        num_new = num_table_blocks - len(shared)
+        num_free = allocator.num_free_blocks
+        if num_new > num_free:
+            protected = tree.num_blocks_protected_by_lock(node, num_node_blocks)
+            if num_new > num_free + tree.num_evictable_blocks - protected:
+                return None
+            if node is not None:
+                node = tree.lock_prefix(node, num_node_blocks)
+            tree.evict(num_new - num_free)
+        elif node is not None:
+            node = tree.lock_prefix(node, num_node_blocks)
+        new = allocator.allocate(num_new)
+        assert new is not None, "eviction did not free the blocks it promised"
+        allocator.incref_all(shared)
+        block_ids = shared + new
+        copies: list[BlockCopy] = []
+        num_cached_tokens = 0
+        if match is not None:
+            num_cached_tokens = match.num_tokens
+            if match.partial_block_id is not None:
+                copies.append((match.partial_block_id, new[0]))
+        self._seqs[seq_id] = SequenceBlocks(
+            block_ids,
+            num_tokens,
+            num_table_blocks * self.block_size,
+            node,
+            salt,
+            len(shared),
+            key,
+        )
+        self._hit_tokens += num_cached_tokens
+        self._queried_tokens += num_tokens - 1
+        return Admission(num_cached_tokens, list(block_ids), copies)
+
+    def grow(self, seq_id: SeqId, num_tokens: int) -> Growth | None:
+        """Reserve slots for `num_tokens` more tokens after the sequence's current length.
+
+        Appends fresh blocks as needed and first replaces, by a private copy, every shared
+        block the sequence will write into (only after a fork). Evicts as needed. Returns
+        NO_GROWTH when the table already had room; None and no change at all when the blocks
+        cannot be found. Raises UnknownSequenceError, InvalidTokensError if num_tokens < 0.
+        """
+        try:
+            seq = self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"sequence {seq_id} is not live") from None
+        length = seq.num_tokens
+        new_len = length + num_tokens
+        if length < new_len <= seq.writable_len:
+            seq.num_tokens = new_len
+            return NO_GROWTH
+        return self._grow_slow(seq, num_tokens)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Start `child_id` as a copy of `parent_id`: same table (every block increfed), same
+        length, its own lock on the parent's lock node. The first write of either into a
+        shared block copies it (see `grow`). Raises UnknownSequenceError, SequenceExistsError.
+        """
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise SequenceExistsError(f"sequence {child_id} is already live")
+        self.allocator.incref_all(parent.block_ids)
+        if parent.lock_node is not None:
+            self.tree.lock(parent.lock_node)
+        family = parent.family
+        if family is None:
+            family = parent.family = {parent_id}
+        family.add(child_id)
+        parent.writable_len = parent.num_tokens
+        self._seqs[child_id] = SequenceBlocks(
+            list(parent.block_ids),
+            parent.num_tokens,
+            parent.num_tokens,
+            parent.lock_node,
+            parent.salt,
+            parent.num_cached_blocks,
+            parent.key,
+            family,
+        )
+
+    def cache(self, seq_id: SeqId, token_ids: Sequence[int]) -> list[tuple[int, BlockId]]:
+        """Insert the full blocks of the sequence's computed tokens into the tree.
+
+        `token_ids` are the tokens whose KV is computed (a prefix of the sequence's tokens);
+        a partial tail block is not inserted (it is still being written). Where the tree
+        already held those tokens in other blocks, the sequence switches to the tree's blocks
+        (incref) and releases its own (decref). Its lock moves down to the deepest node
+        holding its tokens. Returns the (logical index, new block id) table replacements.
+        No-op returning [] with prefix caching off. Raises UnknownSequenceError,
+        InvalidTokensError if token_ids is longer than the sequence.
+        """
+        seq = self._get(seq_id)
+        if len(token_ids) > seq.num_tokens:
+            raise InvalidTokensError(
+                f"sequence {seq_id} has {seq.num_tokens} tokens, cannot cache {len(token_ids)}"
+            )
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        num_full = len(token_ids) // bs
+        if num_full <= seq.num_cached_blocks:
+            return []
+        key = self._key(seq, token_ids, num_full * bs)
+        result = self._insert(seq, key, seq.block_ids[:num_full])
+        replaced = result.duplicates
+        if replaced:
+            table = seq.block_ids
+            allocator = self.allocator
+            for index, tree_block_id in replaced:
+                own = table[index]
+                table[index] = tree_block_id
+                allocator.incref(tree_block_id)
+                allocator.decref(own)
+        seq.num_cached_blocks = result.num_blocks
+        if result.num_new_blocks and seq.family is not None:
+            self._relock_relatives(seq_id, seq, result)
+        return replaced
+
+    def free(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> None:
+        """End a sequence. With `token_ids` (its computed tokens), first insert them,
+        the partial tail block included (as a partial leaf). Then unlock and decref every
+        block, tail first, so the tail is evicted before the prefix.
+        Raises UnknownSequenceError, InvalidTokensError if token_ids is longer than the
+        sequence.
+        """
+        seq = self._get(seq_id)
+        if token_ids is not None and len(token_ids) > seq.num_tokens:
+            raise InvalidTokensError(
+                f"sequence {seq_id} has {seq.num_tokens} tokens, cannot cache {len(token_ids)}"
+            )
+        num_tokens = len(token_ids) if token_ids is not None else 0
+        key = None
+        if token_ids and self.enable_prefix_caching:
+            key = self._key(seq, token_ids, num_tokens)
+        del self._seqs[seq_id]
+        tree = self.tree
+        start = _resume_point(seq, self.block_size, num_tokens)
+        if seq.lock_node is not None:
+            tree.unlock(seq.lock_node, _uses_lock_node(seq, self.block_size))
+        if key is not None:
+            num_blocks = -(-num_tokens // self.block_size)
+            result = tree.insert_key(key, seq.block_ids[:num_blocks], seq.salt, start)
+            if result.num_new_blocks and seq.family is not None:
+                self._relock_relatives(seq_id, seq, result)
+        family = seq.family
+        if family is not None:
+            family.discard(seq_id)
+            if len(family) == 1:
+                self._seqs[next(iter(family))].family = None
+        self.allocator.decref_all(reversed(seq.block_ids))
+
+    # ------------------------------------------------------------------- the cache itself
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to `num_blocks` unlocked cached blocks, LRU first; returns how many."""
+        return self.tree.evict(num_blocks)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unlocked cached prefix; returns how many blocks were freed."""
+        return self.tree.evict(self.tree.num_evictable_blocks)
+
+    def stats(self) -> KVCacheStats:
+        """Counts now and cumulative counters; O(total table length)."""
+        bs = self.block_size
+        live: dict[BlockId, int] = {}
+        for seq in self._seqs.values():
+            num_tokens = seq.num_tokens
+            for index, block_id in enumerate(seq.block_ids):
+                in_block = min(bs, num_tokens - index * bs)
+                if live.get(block_id, 0) < in_block:
+                    live[block_id] = in_block
+        num_referenced = len(live)
+        num_free = self.allocator.num_free_blocks
+        allocated = num_referenced * bs
+        live_tokens = sum(live.values())
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=num_free,
+            num_cached_blocks=self.num_blocks - num_free - num_referenced,
+            num_referenced_blocks=num_referenced,
+            hit_tokens=self._hit_tokens,
+            queried_tokens=self._queried_tokens,
+            allocated_slots=allocated,
+            live_tokens=live_tokens,
+            kv_waste_tokens=allocated - live_tokens,
+            evicted_blocks=self.tree.num_evicted_blocks,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError, naming the broken rule, unless every invariant holds:
+        free + cached + referenced == total; refcounts = holders, none negative; the free
+        list = the blocks at zero; lock counts = live sequences' locks; every tree block a
+        sequence uses lies on its lock path at its own position; tree shape (tokens vs
+        blocks, keys, partial blocks only at leaf tails, LRU = unlocked leaves)."""
+        check_manager_invariants(self, self._seqs)
+
+    # --------------------------------------------------------------------------- helpers
+
+    def _get(self, seq_id: SeqId) -> SequenceBlocks:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"sequence {seq_id} is not live") from None
+
+    def _key(self, seq: SequenceBlocks, token_ids: Sequence[int], num_tokens: int) -> TokenKey:
+        """The packed first `num_tokens` of `token_ids`, which extend the sequence's known
+        tokens: only tokens beyond `seq.key` are packed (and remembered)."""
+        key = seq.key
+        num_known = len(key) // TOKEN_BYTES
+        if num_tokens <= num_known:
+            return key if num_tokens == num_known else key[: num_tokens * TOKEN_BYTES]
+        last_known = decode_tokens(key[-TOKEN_BYTES:])[0] if num_known else None
+        if num_known and token_ids[num_known - 1] != last_known:
+            raise InvalidTokensError(
+                f"token_ids[{num_known - 1}] is {token_ids[num_known - 1]}, but this sequence"
+                f" has token {last_known} there: pass the sequence's own tokens"
+            )
+        seq.key = key = key + encode_tokens(token_ids[num_known:num_tokens])
+        return key
+
+    def _insert(self, seq: SequenceBlocks, key: TokenKey, block_ids: list[BlockId]) -> InsertResult:
+        """Insert, moving the sequence's lock to the deepest node holding its tokens.
+
+        The old lock is released first so that the insertion may replace a partial leaf the
+        sequence was copying from (nothing is evicted meanwhile).
+        """
+        tree = self.tree
+        old = seq.lock_node
+        start = _resume_point(seq, self.block_size, len(key) // TOKEN_BYTES)
+        if old is not None:
+            tree.unlock(old, _uses_lock_node(seq, self.block_size))
+        result = tree.insert_key(key, block_ids, seq.salt, start)
+        node = result.node
+        if old is not None and old.parent is not None and (
+            node is None or _is_descendant(old, node)
+        ):
+            node = old  # a relative's insertion already took us deeper on this path
+        if node is not None:
+            tree.lock(node)
+        seq.lock_node = node
+        return result
+
+    def _relock_relatives(self, seq_id: SeqId, seq: SequenceBlocks, result: InsertResult) -> None:
+        """The tree just took blocks of `seq` that forked relatives may share: move each such
+        relative's lock down to the node holding them, so its tree blocks stay locked."""
+        node = result.node
+        assert node is not None and seq.family is not None
+        first = result.num_blocks - result.num_new_blocks
+        taken = seq.block_ids[first : result.num_blocks]
+        tree = self.tree
+        for relative_id in sorted(seq.family):
+            if relative_id == seq_id:
+                continue
+            relative = self._seqs[relative_id]
+            theirs = relative.block_ids[first : result.num_blocks]
+            if not any(a == b for a, b in zip(theirs, taken, strict=False)):
+                continue
+            old = relative.lock_node
+            if old is not None and _is_descendant(old, node):
+                continue
+            tree.lock(node)
+            if old is not None:
+                tree.unlock(old, _uses_lock_node(relative, self.block_size))
+            relative.lock_node = node
+
+    def _grow_slow(self, seq: SequenceBlocks, num_tokens: int) -> Growth | None:
+        if num_tokens <= 0:
+            if num_tokens < 0:
+                raise InvalidTokensError(f"cannot grow by {num_tokens} tokens")
+            return NO_GROWTH
+        bs = self.block_size
+        allocator = self.allocator
+        table = seq.block_ids
+        length = seq.num_tokens
+        new_len = length + num_tokens
+        num_new = -(-new_len // bs) - len(table)
+        to_copy: list[int] = []
+        if seq.writable_len < len(table) * bs:
+            # forked: every block from the write frontier on may be shared
+            refcount = allocator.refcount
+            to_copy = [i for i in range(length // bs, len(table)) if refcount(table[i]) > 1]
+        needed = len(to_copy) + num_new
+        num_free = allocator.num_free_blocks
+        if needed > num_free:
+            if needed > num_free + self.tree.num_evictable_blocks:
+                return None
+            self.tree.evict(needed - num_free)
+        seq.num_tokens = new_len
+        if not to_copy:
+            new = allocator.allocate(num_new)
+            assert new is not None
+            table.extend(new)
+            seq.writable_len = len(table) * bs
+            return Growth(tuple(new)) if new else NO_GROWTH
+        replaced: list[tuple[int, BlockId]] = []
+        copies: list[BlockCopy] = []
+        for index in to_copy:
+            written = allocator.copy_on_write(table[index])
+            assert written is not None
+            fresh, copy = written
+            assert copy is not None
+            table[index] = fresh
+            replaced.append((index, fresh))
+            if index * bs < length:
+                copies.append(copy)
+        new = allocator.allocate(max(0, num_new)) or []
+        table.extend(new)
+        seq.writable_len = len(table) * bs
+        return Growth(tuple(new), tuple(replaced), tuple(copies))
+
+
+def _is_descendant(node: RadixNode | None, ancestor: RadixNode) -> bool:
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
+
+
+def _uses_lock_node(seq: SequenceBlocks, block_size: int) -> bool:
+    """False when the sequence's lock node holds none of its blocks: it was locked only as
+    the copy-on-write source of the sequence's first uncached block, so releasing it is no
+    reason to keep it cached longer."""
+    node = seq.lock_node
+    if node is None:
+        return True
+    index = node.start // block_size
+    return index < len(seq.block_ids) and seq.block_ids[index] == node.block_ids[0]
+
+
+def _resume_point(seq: SequenceBlocks, block_size: int, num_tokens: int) -> RadixNode | None:
+    """Where inserting the sequence's first `num_tokens` tokens may start instead of the root:
+    the node on its lock path ending right after its cached blocks, if that node's last block
+    is the sequence's own (then the node's path spells the sequence's tokens)."""
+    num_cached = seq.num_cached_blocks
+    node = seq.lock_node
+    boundary = num_cached * block_size
+    if num_cached == 0 or node is None or boundary > num_tokens:
+        return None
+    if node.start == boundary:  # locked for a copy-on-write source hanging at the boundary
+        node = node.parent
+    if (
+        node is None
+        or node.parent is None
+        or node.end != boundary
+        or node.block_ids[-1] != seq.block_ids[num_cached - 1]
+    ):
+        return None
+    return node

@@ -137,13 +137,15 @@ class LLM:
     def stats(self, timeout_s: float = 10.0) -> EngineStats:
         """A fresh snapshot of the scheduler and KV cache counters."""
         engine = self._require_engine()
-        engine.send(StatsRequest())
+        token = next(_request_counter)
+        engine.send(StatsRequest(token=token))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             message = engine.recv(0.1)
             if isinstance(message, EngineFailure):
                 raise EngineError(message.message)
-            if isinstance(message, StepOutputs) and message.stats is not None:
+            if isinstance(message, StepOutputs) and message.stats_token == token:
+                assert message.stats is not None
                 return message.stats
         raise EngineError("the engine did not answer a stats request")
 

@@ -51,6 +51,7 @@ class EngineHandle:
             "radixkv.scheduler.loop",
             ["--socket-dir", str(self.socket_dir), "--config", str(config_path)],
         )
+        self.channel.peer_alive = lambda: self.proc.poll() is None
         self.failure: str | None = None
         try:
             ready = wait_for(self.channel, self.proc, startup_timeout_s, "scheduler")
@@ -70,7 +71,11 @@ class EngineHandle:
     def send(self, message: Any) -> None:
         if not self.alive:
             raise EngineError(self.failure or "the engine is not running")
-        self.channel.send(message)
+        try:
+            self.channel.send(message)
+        except PeerDiedError as exc:
+            self.failure = f"the scheduler process exited with code {self.proc.returncode}"
+            raise EngineError(self.failure) from exc
 
     def recv(self, timeout_s: float | None) -> Any | None:
         """The next message from the scheduler, or None after `timeout_s`.
@@ -89,7 +94,7 @@ class EngineHandle:
     def close(self) -> None:
         """Stop the scheduler (and with it the worker); safe to call twice."""
         if self.proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, PeerDiedError):
                 self.channel.send(Shutdown())
         stop_process(self.proc)
         self.channel.close()

@@ -139,8 +139,13 @@ class EngineStats:
 @record(tag=8)
 @dataclass(frozen=True)
 class StepOutputs:
+    """Outputs of one step; `stats` rides along at most every few hundred ms while busy,
+    once more when the engine goes idle, and in answer to a StatsRequest (then
+    `stats_token` repeats the request's token)."""
+
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
+    stats_token: int | None = None
 
 
 @record(tag=9)
@@ -155,6 +160,8 @@ class EngineFailure:
 @dataclass(frozen=True)
 class StatsRequest:
     """Ask the scheduler for an EngineStats snapshot now (answered in a StepOutputs)."""
+
+    token: int = 0
 
 
 # ------------------------------------------------------------------------ scheduler <-> worker

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,21 @@ def socket_address(socket_dir: Path, name: str) -> str:
 
 
 class Channel:
-    """A PUSH socket to a peer and a PULL socket from it, carrying protocol records."""
+    """A PUSH socket to a peer and a PULL socket from it, carrying protocol records.
 
-    def __init__(self, context: zmq.Context[Any], send_addr: str, recv_addr: str, bind: bool):
+    `peer_alive` lets `send` give up (PeerDiedError) instead of blocking forever when the
+    peer is gone and its queue is full or was never connected.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        send_addr: str,
+        recv_addr: str,
+        bind: bool,
+        peer_alive: Callable[[], bool] | None = None,
+    ):
+        self.peer_alive = peer_alive
         self._send = context.socket(zmq.PUSH)
         self._recv = context.socket(zmq.PULL)
         for sock in (self._send, self._recv):
@@ -67,7 +80,15 @@ class Channel:
         return self._recv
 
     def send(self, message: Any) -> None:
-        self._send.send(encode(message), copy=False)
+        data = encode(message)
+        while True:
+            try:
+                self._send.send(data, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if self.peer_alive is not None and not self.peer_alive():
+                    raise PeerDiedError("the peer process is gone") from None
+                self._send.poll(int(POLL_INTERVAL_S * 1000), zmq.POLLOUT)
 
     def recv(self, timeout_s: float | None) -> Any | None:
         """The next record, or None if none arrives within `timeout_s` (None: no wait)."""

@@ -70,6 +70,7 @@ class SchedulerProcess:
             send_addr=socket_address(socket_dir, FRONT_OUT),
             recv_addr=socket_address(socket_dir, FRONT_IN),
             bind=False,
+            peer_alive=lambda: parent_alive(self.parent),
         )
         self.worker = Channel(
             self.context,
@@ -81,24 +82,34 @@ class SchedulerProcess:
             "radixkv.worker.loop",
             ["--socket-dir", str(socket_dir), "--config", str(config_path)],
         )
+        self.worker.peer_alive = lambda: self.worker_proc.poll() is None
         self._last_stats = 0.0
+        self._stats_dirty = False
+        self._stats_tokens: list[int] = []
         self._rejected: list[RequestOutput] = []
 
     def run(self) -> int:
         try:
             scheduler = self._start()
         except (EngineDown, PeerDiedError, TimeoutError) as exc:
-            self.front.send(EngineFailure(str(exc)))
+            self._tell_front(EngineFailure(str(exc)))
+            self._stop_worker()
             return 1
         try:
             return self._serve(scheduler)
         except (EngineDown, PeerDiedError) as exc:
+            if not parent_alive(self.parent):
+                return 0  # the front is gone: nobody to tell
             message = f"the engine's worker failed: {exc}"
-            self.front.send(StepOutputs(outputs=scheduler.fail_all(message)))
-            self.front.send(EngineFailure(message))
+            self._tell_front(StepOutputs(outputs=scheduler.fail_all(message)))
+            self._tell_front(EngineFailure(message))
             return 1
         finally:
             self._stop_worker()
+
+    def _tell_front(self, message: StepOutputs | EngineFailure) -> None:
+        with contextlib.suppress(PeerDiedError):
+            self.front.send(message)
 
     def _start(self) -> Scheduler:
         ready = wait_for(self.worker, self.worker_proc, STARTUP_TIMEOUT_S, "worker")
@@ -152,7 +163,7 @@ class SchedulerProcess:
             elif isinstance(message, AbortRequest):
                 scheduler.abort_request(message.request_id)
             elif isinstance(message, StatsRequest):
-                self._last_stats = 0.0
+                self._stats_tokens.append(message.token)
             message = self.front.recv(None)
         return True
 
@@ -164,17 +175,26 @@ class SchedulerProcess:
         return reply
 
     def _send_outputs(self, scheduler: Scheduler, outputs: list[RequestOutput]) -> None:
+        """Outputs, with stats when due: every STATS_INTERVAL_S while busy, once when the
+        engine goes idle, and at once for each StatsRequest. An idle engine sends nothing."""
         now = time.monotonic()
-        stats = None
-        if now - self._last_stats >= STATS_INTERVAL_S:
-            stats = scheduler.stats()
+        self._stats_dirty |= bool(outputs) or scheduler.has_work
+        due = self._stats_dirty and (
+            now - self._last_stats >= STATS_INTERVAL_S or not scheduler.has_work
+        )
+        stats = scheduler.stats() if due or self._stats_tokens else None
+        if due:
             self._last_stats = now
-        if outputs or stats is not None:
+            self._stats_dirty = False
+        if outputs or due:
             self.front.send(StepOutputs(outputs=outputs, stats=stats))
+        for token in self._stats_tokens:
+            self.front.send(StepOutputs(outputs=[], stats=stats, stats_token=token))
+        self._stats_tokens.clear()
 
     def _stop_worker(self) -> None:
         if self.worker_proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, PeerDiedError):
                 self.worker.send(Shutdown())
         stop_process(self.worker_proc)
         self.worker.close()

@@ -34,6 +34,7 @@ def run(socket_dir: Path, config: EngineConfig) -> int:
         send_addr=socket_address(socket_dir, WORKER_OUT),
         recv_addr=socket_address(socket_dir, WORKER_IN),
         bind=False,
+        peer_alive=lambda: parent_alive(parent),
     )
     try:
         from radixkv.worker.model_runner import ModelRunner

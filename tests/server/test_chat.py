@@ -84,11 +84,13 @@ def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, model_name: str) 
 def test_chat_without_max_tokens_fills_the_context(
     client: openai.OpenAI, model_name: str
 ) -> None:
+    long_question = [{"role": "user", "content": "How are you today? " * 20}]
     result = client.chat.completions.create(
-        model=model_name, messages=MESSAGES, temperature=0,  # type: ignore[arg-type]
+        model=model_name, messages=long_question, temperature=0,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True},
     )
     usage = result.usage
     assert usage is not None
     assert result.choices[0].finish_reason == "length"
+    assert usage.prompt_tokens > 150
     assert usage.total_tokens == 256  # the tiny model's context

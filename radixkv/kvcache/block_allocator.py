@@ -43,6 +43,10 @@ class BlockAllocator:
         All or nothing: returns None and changes nothing when fewer blocks are free.
         """
         free = self._free
+        if num_blocks == 1 and free:
+            block_id = free.pop()
+            self._refcounts[block_id] = 1
+            return [block_id]
         if num_blocks > len(free):
             return None
         if num_blocks <= 0:
@@ -69,7 +73,7 @@ class BlockAllocator:
         refcounts = self._refcounts
         for block_id in block_ids:
             count = refcounts[block_id]
-            if count <= 0:
+            if not count:
                 raise BlockRefcountError(f"incref of free block {block_id}")
             refcounts[block_id] = count + 1
 
@@ -95,13 +99,15 @@ class BlockAllocator:
         append = self._free.append
         num_freed = 0
         for block_id in block_ids:
-            count = refcounts[block_id] - 1
-            if count < 0:
-                raise BlockRefcountError(f"decref of free block {block_id} (double free)")
-            refcounts[block_id] = count
-            if count == 0:
+            count = refcounts[block_id]
+            if count > 1:
+                refcounts[block_id] = count - 1
+            elif count == 1:
+                refcounts[block_id] = 0
                 append(block_id)
                 num_freed += 1
+            else:
+                raise BlockRefcountError(f"decref of free block {block_id} (double free)")
         return num_freed
 
     def copy_on_write(self, block_id: BlockId) -> tuple[BlockId, BlockCopy | None] | None:

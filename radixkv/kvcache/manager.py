@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from radixkv.kvcache.admission import Admission
@@ -14,7 +15,13 @@ from radixkv.kvcache.radix_node import RadixNode
 from radixkv.kvcache.radix_tree import InsertResult, RadixTree
 from radixkv.kvcache.sequence_blocks import SequenceBlocks
 from radixkv.kvcache.stats import KVCacheStats
-from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, decode_tokens, encode_tokens
+from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, encode_tokens
+
+MAX_EVICTION_BATCH = 16
+"""When an allocation must evict, it evicts at least min(16, num_blocks // 256) blocks: the
+least recently used ones, which the next allocations would evict anyway. A decoding sequence
+needs one block every block_size tokens, and evicting them one at a time costs a tree walk
+each; at most 1/256 of the pool is evicted early, and small pools evict exactly."""
 
 
 class KVCacheManager:
@@ -24,7 +31,8 @@ class KVCacheManager:
     the radix tree caches it. Each live sequence holds one lock in the tree, on a node whose
     path holds every tree block the sequence uses; so the blocks of unlocked nodes are held by
     the tree alone, and `num_available_blocks()` (free + evictable) is exact. Allocation
-    evicts unlocked cached prefixes, least recently used first, when the free list runs short.
+    evicts unlocked cached prefixes, least recently used first, when the free list runs short
+    (in batches: see MAX_EVICTION_BATCH).
     With `enable_prefix_caching=False` nothing is ever matched or inserted.
     """
 
@@ -39,6 +47,7 @@ class KVCacheManager:
         self.allocator = BlockAllocator(num_blocks)
         self.tree = RadixTree(self.allocator, block_size)
         self._seqs: dict[SeqId, SequenceBlocks] = {}
+        self._eviction_batch = max(1, min(MAX_EVICTION_BATCH, num_blocks // 256))
         self._hit_tokens = 0
         self._queried_tokens = 0
 
@@ -105,7 +114,7 @@ class KVCacheManager:
                 return None
             if node is not None:
                 node = tree.lock_prefix(node, num_node_blocks)
-            tree.evict(num_new - num_free)
+            tree.evict(max(num_new - num_free, self._eviction_batch))
         elif node is not None:
             node = tree.lock_prefix(node, num_node_blocks)
         new = allocator.allocate(num_new)
@@ -236,17 +245,22 @@ class KVCacheManager:
         start = _resume_point(seq, self.block_size, num_tokens)
         if seq.lock_node is not None:
             tree.unlock(seq.lock_node, _uses_lock_node(seq, self.block_size))
+        table = seq.block_ids
         if key is not None:
             num_blocks = -(-num_tokens // self.block_size)
-            result = tree.insert_key(key, seq.block_ids[:num_blocks], seq.salt, start)
-            if result.num_new_blocks and seq.family is not None:
-                self._relock_relatives(seq_id, seq, result)
+            result = tree.insert_key(key, table[:num_blocks], seq.salt, start, transfer=True)
+            if result.num_new_blocks:
+                if seq.family is not None:
+                    self._relock_relatives(seq_id, seq, result)
+                # the tree took over our references to those blocks: release the others
+                taken_end = result.num_blocks
+                table = table[:taken_end - result.num_new_blocks] + table[taken_end:]
         family = seq.family
         if family is not None:
             family.discard(seq_id)
             if len(family) == 1:
                 self._seqs[next(iter(family))].family = None
-        self.allocator.decref_all(reversed(seq.block_ids))
+        self.allocator.decref_all(reversed(table))
 
     # ------------------------------------------------------------------- the cache itself
 
@@ -308,7 +322,7 @@ class KVCacheManager:
         num_known = len(key) // TOKEN_BYTES
         if num_tokens <= num_known:
             return key if num_tokens == num_known else key[: num_tokens * TOKEN_BYTES]
-        last_known = decode_tokens(key[-TOKEN_BYTES:])[0] if num_known else None
+        last_known = int.from_bytes(key[-TOKEN_BYTES:], sys.byteorder) if num_known else None
         if num_known and token_ids[num_known - 1] != last_known:
             raise InvalidTokensError(
                 f"token_ids[{num_known - 1}] is {token_ids[num_known - 1]}, but this sequence"
@@ -383,7 +397,7 @@ class KVCacheManager:
         if needed > num_free:
             if needed > num_free + self.tree.num_evictable_blocks:
                 return None
-            self.tree.evict(needed - num_free)
+            self.tree.evict(max(needed - num_free, self._eviction_batch))
         seq.num_tokens = new_len
         if not to_copy:
             new = allocator.allocate(num_new)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
-
-from sortedcontainers import SortedList
 
 from radixkv.kvcache.block_allocator import BlockAllocator
 from radixkv.kvcache.errors import InvalidTokensError
@@ -142,7 +141,7 @@ class RadixTree:
                 break
             child_tokens = child.tokens
             child_len = len(child_tokens)
-            if pos + child_len <= n and key[pos : pos + child_len] == child_tokens:
+            if pos + child_len <= n and key.startswith(child_tokens, pos):
                 num_full = child_len // bb
                 if num_full * bb == child_len:
                     block_ids.extend(child.block_ids)
@@ -196,10 +195,13 @@ class RadixTree:
         block_ids: Sequence[BlockId],
         salt: Salt,
         start: RadixNode | None = None,
+        transfer: bool = False,
     ) -> InsertResult:
         """`insert` of a packed key. With `start`, resume at that node instead of the root: it
         must end on a block boundary and its path must spell the key's tokens up to its end
-        (the caller vouches for that; it is not re-checked).
+        (the caller vouches for that; it is not re-checked). With `transfer`, the caller hands
+        the tree its own references to the blocks the tree takes (no incref): it must not
+        decref those blocks afterwards.
         """
         bs, bb = self.block_size, self._block_bytes
         n = len(key)
@@ -236,7 +238,7 @@ class RadixTree:
                         node = grown
                         pos = end
                         continue
-                leaf = self._attach(node, key, pos, block_ids)
+                leaf = self._attach(node, key, pos, block_ids, transfer)
                 return InsertResult(leaf, len(block_ids), len(leaf.block_ids), duplicates)
             if end > n:
                 break  # an identical partial leaf already holds our partial tail
@@ -246,7 +248,7 @@ class RadixTree:
             if (
                 child_len % bb == 0
                 and pos + child_len <= n
-                and key[pos : pos + child_len] == child_tokens
+                and key.startswith(child_tokens, pos)
             ):
                 _note_duplicates(child.block_ids, block_ids, first, duplicates)
                 node = deepest = child
@@ -305,9 +307,16 @@ class RadixTree:
     def lock_prefix(self, node: RadixNode, num_blocks: int) -> RadixNode:
         """Lock the first `num_blocks` blocks of `node`, and its path: when `node` has more,
         it is first split after them so that its tail stays evictable. Returns the node that
-        now holds the lock (`node`, or the new upper part of it); `unlock` that one."""
+        now holds the lock (`node`, or the new upper part of it); `unlock` that one.
+
+        A one-block node locked this way becomes its parent's `copy_source`: later matches
+        that share as many tokens with it as with any sibling copy from it, so that copies
+        of a popular block boundary come from one node instead of splitting a new one each.
+        """
         if 0 < num_blocks < len(node.block_ids):
             node = self._split(node, num_blocks)
+        if len(node.block_ids) == 1 and node.parent is not None:
+            node.parent.copy_source = node
         self.lock(node)
         return node
 
@@ -335,8 +344,17 @@ class RadixTree:
             wanted = num_blocks - num_freed
             if len(leaf.block_ids) <= wanted:
                 num_freed += self._remove_leaf(leaf)
-            else:
-                num_freed += self._truncate(leaf, wanted)
+            else:  # keep the leaf's head, free its tail
+                block_ids = leaf.block_ids
+                keep = len(block_ids) - wanted
+                dropped = block_ids[keep:]
+                del block_ids[keep:]
+                leaf.tokens = leaf.tokens[: keep * self._block_bytes]
+                self.num_blocks -= wanted
+                self.num_evictable_blocks -= wanted
+                freed = self._allocator.decref_all(reversed(dropped))
+                assert freed == wanted, f"evicted blocks of {leaf!r} are still referenced"
+                num_freed += wanted
         self.num_evicted_blocks += num_freed
         return num_freed
 
@@ -355,8 +373,7 @@ class RadixTree:
             node = stack.pop()
             if node is not root:
                 yield node
-            if node.child_keys is not None:
-                stack.extend(node.children[key] for key in reversed(node.child_keys))
+            stack.extend(node.children[key] for key in reversed(node.child_keys))
 
     def lru_order(self) -> list[RadixNode]:
         """The evictable leaves, least recently used first."""
@@ -391,8 +408,7 @@ class RadixTree:
                     seen.add(block_id)
                 child_locks = sum(child.lock_count for child in node.children.values())
                 assert node.lock_count >= child_locks, f"{where}: fewer locks than children"
-                keys = list(node.child_keys) if node.child_keys is not None else []
-                assert keys == sorted(node.children), f"{where}: child_keys out of sync"
+                assert node.child_keys == sorted(node.children), f"{where}: child_keys"
                 num_partial = sum(1 for key in node.children if len(key) < bb)
                 assert node.num_partial_children == num_partial, f"{where}: partial count"
                 num_blocks += len(node.block_ids)
@@ -418,13 +434,16 @@ class RadixTree:
 
     def _holds_prefix(self, node: RadixNode, query: TokenKey) -> bool:
         keys = node.child_keys
-        if not keys:
-            return False
-        index = keys.bisect_left(query)
-        return index < len(keys) and keys[index][: len(query)] == query
+        index = bisect_left(keys, query)
+        return index < len(keys) and keys[index].startswith(query)
 
     def _attach(
-        self, parent: RadixNode, key: TokenKey, pos: int, block_ids: Sequence[BlockId]
+        self,
+        parent: RadixNode,
+        key: TokenKey,
+        pos: int,
+        block_ids: Sequence[BlockId],
+        transfer: bool = False,
     ) -> RadixNode:
         """Hang the rest of `key` (from byte `pos`, a block boundary) and of `block_ids`
         under `parent` as a new leaf, taking the blocks."""
@@ -433,7 +452,8 @@ class RadixTree:
         if parent.num_partial_children:
             self._drop_superseded_partials(parent, child_key)
         taken = list(block_ids[pos // bb :])
-        self._allocator.incref_all(taken)
+        if not transfer:
+            self._allocator.incref_all(taken)
         leaf = RadixNode(parent, child_key, pos // TOKEN_BYTES, key[pos:], taken, self._tick())
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
             self._lru.remove(parent.stamp)
@@ -460,8 +480,7 @@ class RadixTree:
             leaf = parent.children.get(child_key[:size])
             if leaf is not None and leaf.block_ids[0] == block_id:
                 del parent.children[leaf.key]
-                assert parent.child_keys is not None
-                parent.child_keys.remove(leaf.key)
+                _remove_key(parent.child_keys, leaf.key)
                 parent.num_partial_children -= 1
                 leaf.key = leaf.tokens = child_key
                 self._add_child(parent, leaf)
@@ -470,9 +489,7 @@ class RadixTree:
 
     def _add_child(self, parent: RadixNode, child: RadixNode) -> None:
         parent.children[child.key] = child
-        if parent.child_keys is None:
-            parent.child_keys = SortedList()
-        parent.child_keys.add(child.key)
+        insort(parent.child_keys, child.key)
         if len(child.key) < self._block_bytes:
             parent.num_partial_children += 1
 
@@ -503,8 +520,7 @@ class RadixTree:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_count == 0
         del parent.children[leaf.key]
-        assert parent.child_keys is not None
-        parent.child_keys.remove(leaf.key)
+        _remove_key(parent.child_keys, leaf.key)
         if len(leaf.key) < self._block_bytes:
             parent.num_partial_children -= 1
         self._lru.remove(leaf.stamp)
@@ -517,18 +533,6 @@ class RadixTree:
         leaf.parent = None  # removed: on no path any more
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
             self._lru.add(parent.stamp, parent)
-        return num_freed
-
-    def _truncate(self, leaf: RadixNode, num_blocks: int) -> int:
-        keep = len(leaf.block_ids) - num_blocks
-        assert keep > 0 and leaf.lock_count == 0
-        dropped = leaf.block_ids[keep:]
-        del leaf.block_ids[keep:]
-        leaf.tokens = leaf.tokens[: keep * self._block_bytes]
-        self.num_blocks -= num_blocks
-        self.num_evictable_blocks -= num_blocks
-        num_freed = self._allocator.decref_all(reversed(dropped))
-        assert num_freed == num_blocks, f"evicted blocks of {leaf!r} are still referenced"
         return num_freed
 
 
@@ -548,21 +552,34 @@ def _num_equal_blocks(key: TokenKey, pos: int, end: int, node_tokens: TokenKey, 
 
 
 def _longest_common_child(node: RadixNode, query: TokenKey) -> tuple[RadixNode, int]:
-    """The child whose first block shares the most leading tokens with `query`, and how many.
+    """The child whose first block shares the most leading tokens with `query`, and how many;
+    on a tie the node's `copy_source` if it is one of them.
 
     Only the two keys around the query's bisection point can share the longest prefix.
     """
     keys = node.child_keys
-    assert keys is not None
-    index = keys.bisect_left(query)
-    best_key = keys[index - 1] if index > 0 else keys[index]
-    best = common_prefix_tokens(query, best_key)
-    if 0 < index < len(keys):
-        key = keys[index]
-        common = common_prefix_tokens(query, key)
+    index = bisect_left(keys, query)
+    neighbours = keys[max(0, index - 1) : index + 1]
+    preferred = node.copy_source
+    if preferred is not None and preferred.parent is node:
+        best = common_prefix_tokens(query, preferred.key)
+        longer = query[: (best + 1) * TOKEN_BYTES]
+        if len(longer) == len(query) or not (
+            neighbours[0].startswith(longer) or neighbours[-1].startswith(longer)
+        ):
+            return preferred, best  # no child shares more
+    best_key, best = neighbours[0], common_prefix_tokens(query, neighbours[0])
+    if len(neighbours) == 2:
+        common = common_prefix_tokens(query, neighbours[1])
         if common > best:
-            best_key, best = key, common
+            best_key, best = neighbours[1], common
     return node.children[best_key], best
+
+
+def _remove_key(keys: list[TokenKey], key: TokenKey) -> None:
+    index = bisect_left(keys, key)
+    assert keys[index] == key, "child key missing from child_keys"
+    del keys[index]
 
 
 def _note_duplicates(

@@ -170,6 +170,21 @@ def test_eviction_under_pressure_spares_locked_paths_and_takes_lru_first() -> No
     kv.check_invariants()
 
 
+def test_large_pools_evict_in_batches_lru_first() -> None:
+    kv = KVCacheManager(num_blocks=1024, block_size=4)  # evicts at least 4 blocks at a time
+    for i in range(256):
+        prompt = [i, i, i, i, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]  # 4 blocks each
+        kv.admit(s(i), prompt, None)
+        kv.free(s(i), prompt)
+    assert kv.num_free_blocks == 0
+    kv.admit(s(1000), [9], None)  # needs 1 block: evicts the 4 of the oldest prefix
+    assert kv.stats().evicted_blocks == 4
+    assert kv.num_free_blocks == 3
+    assert kv.peek_prefix([0, 0, 0, 0, 0, 0, 0, 0, 1], None) == 0
+    assert kv.peek_prefix([1, 1, 1, 1, 0, 0, 0, 0, 1], None) == 8
+    kv.check_invariants()
+
+
 def test_admit_is_all_or_nothing() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.admit(s(0), [1] * 8, None)  # 2 blocks, locked

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable
@@ -68,7 +69,8 @@ class EngineClient:
         self._handle: EngineHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | _EngineDown]] = {}
-        self._stats_waiters: list[asyncio.Future[None]] = []
+        self._stats_waiters: dict[int, asyncio.Future[None]] = {}
+        self._stats_tokens = itertools.count(1)
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -165,19 +167,20 @@ class EngineClient:
                     self._send(AbortRequest(request_id))
 
     async def fresh_stats(self, timeout_s: float) -> EngineStats | None:
-        """Ask for a new stats snapshot and wait up to `timeout_s` for it; else the latest."""
+        """A snapshot the scheduler takes after this call (so after every abort sent before
+        it), waiting up to `timeout_s`; else the latest one received."""
         if not self.serving or self._loop is None:
             return self.stats
+        token = next(self._stats_tokens)
         waiter: asyncio.Future[None] = self._loop.create_future()
-        self._stats_waiters.append(waiter)
+        self._stats_waiters[token] = waiter
         try:
-            self._send(StatsRequest())
+            self._send(StatsRequest(token=token))
             await asyncio.wait_for(waiter, timeout_s)
         except (TimeoutError, EngineUnavailable):
             pass
         finally:
-            if waiter in self._stats_waiters:
-                self._stats_waiters.remove(waiter)
+            self._stats_waiters.pop(token, None)
         return self.stats
 
     @property
@@ -251,10 +254,10 @@ class EngineClient:
                 queue.put_nowait(out)
         if message.stats is not None:
             self.stats = message.stats
-            for waiter in self._stats_waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-            self._stats_waiters.clear()
+        if message.stats_token is not None:
+            waiter = self._stats_waiters.pop(message.stats_token, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def _on_engine_failure(self, reason: str) -> None:
         if self.failure is None:
@@ -264,7 +267,7 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         for queue in self._queues.values():
             queue.put_nowait(_EngineDown(reason))
-        for waiter in self._stats_waiters:
+        for waiter in self._stats_waiters.values():
             if not waiter.done():
                 waiter.set_result(None)
         self._stats_waiters.clear()

@@ -89,12 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None)
+    serve.add_argument(
+        "model", nargs="?", default=None,
+        help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", action="append", default=[], help="accepted key (repeatable)")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument(
+        "--api-key", action="append", default=[],
+        help="accepted key (repeatable); each key is a tenant with its own prefix cache",
+    )
+    serve.add_argument(
+        "--served-model-name", default=None,
+        help="the name clients send as `model` (default: the checkpoint's name)",
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20,
+        help="larger request bodies get 413",
+    )
     add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
     return parser

@@ -183,10 +183,6 @@ class EngineClient:
             self._stats_waiters.pop(token, None)
         return self.stats
 
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._queues)
-
     # ------------------------------------------------------------------------ internals
 
     def _require_serving(self) -> None:
@@ -218,8 +214,8 @@ class EngineClient:
 
         try:
             handle = EngineHandle(self.config)
-        except EngineError as exc:
-            self._call_soon(functools.partial(report, str(exc)))
+        except Exception as exc:  # EngineError, or e.g. no room for the socket directory
+            self._call_soon(functools.partial(report, str(exc) or type(exc).__name__))
             return
         with self._lock:
             self._handle = handle

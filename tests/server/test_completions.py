@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 
 
-def greedy(client: openai.OpenAI, model: str, prompt: str | list[int], **kwargs: object) -> str:
-    result = client.completions.create(
-        model=model, prompt=prompt, temperature=0, **kwargs  # type: ignore[arg-type]
-    )
+def greedy(client: openai.OpenAI, model: str, prompt: str | list[int], **kwargs: Any) -> str:
+    result = client.completions.create(model=model, prompt=prompt, temperature=0, **kwargs)
     return result.choices[0].text
 
 
@@ -64,12 +63,13 @@ def test_prompt_list_choices_are_prompt_major(client: openai.OpenAI, model_name:
     # index = prompt_index * n + i; greedy, so both samples of a prompt are its single answer.
     assert [c.text for c in result.choices] == [singles[0], singles[0], singles[1], singles[1]]
     assert result.usage is not None
-    assert result.usage.completion_tokens == sum(
-        client.completions.create(
-            model=model_name, prompt=p, max_tokens=6, temperature=0
-        ).usage.completion_tokens  # type: ignore[union-attr]
+    single_usages = [
+        client.completions.create(model=model_name, prompt=p, max_tokens=6, temperature=0).usage
         for p in prompts
-    ) * 2
+    ]
+    assert result.usage.completion_tokens == 2 * sum(
+        u.completion_tokens for u in single_usages if u is not None
+    )
 
 
 def test_n3_sampling_returns_three_seeded_choices(client: openai.OpenAI, model_name: str) -> None:
@@ -148,7 +148,8 @@ def test_logprobs_legacy_format(client: openai.OpenAI, model_name: str) -> None:
         assert top[token] == logprob  # the chosen token is in its dict
         assert 2 <= len(top) <= 3  # two alternatives (+ the chosen token when not among them)
         assert logprob == max(top.values())  # greedy picks the most likely token
-    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0  # type: ignore[index]
+    assert lp.text_offset is not None
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 
 def test_echo_with_logprobs_has_null_prompt_logprobs(

@@ -182,6 +182,42 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_options(
+        cls,
+        model: str | None,
+        *,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        memory_fraction: float = 0.5,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        max_n: int = 16,
+        dtype: DType = "float32",
+        device: str = "cpu",
+        num_threads: int | None = None,
+        seed: int = 0,
+    ) -> EngineConfig:
+        """The engine options users pass to `LLM(...)` and `radixkv serve`, one flat list."""
+        return cls(
+            model=model,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_tokens=kv_cache_tokens,
+                memory_fraction=memory_fraction,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                max_n=max_n,
+            ),
+            worker=WorkerConfig(device=device, dtype=dtype, num_threads=num_threads, seed=seed),
+        )
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
         return cls(
             model=data.get("model"),
@@ -189,3 +225,13 @@ class EngineConfig:
             scheduler=SchedulerConfig(**data.get("scheduler", {})),
             worker=WorkerConfig(**data.get("worker", {})),
         )
+
+
+def kv_blocks_needed(
+    prompt_len: int, max_tokens: int, num_sequences: int, block_size: int
+) -> int:
+    """Blocks one request can hold at worst: its prompt once (forks share it) plus, per
+    sequence, its output and one block for the copy-on-write of the shared tail. The
+    scheduler refuses a request that would not fit an empty pool; the server checks first."""
+    prompt_blocks = -(-prompt_len // block_size)
+    return prompt_blocks + num_sequences * (-(-max_tokens // block_size) + 1)

@@ -16,7 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from radixkv.checkpoint import resolve_checkpoint
-from radixkv.config import CacheConfig, DType, EngineConfig, SchedulerConfig, WorkerConfig
+from radixkv.config import DType, EngineConfig
 from radixkv.engine_handle import EngineError, EngineHandle
 from radixkv.ipc.protocol import (
     AbortRequest,
@@ -60,21 +60,20 @@ class LLM:
     ):
         self.checkpoint = resolve_checkpoint(model)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        self.config = EngineConfig(
-            model=str(self.checkpoint.path),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_tokens=kv_cache_tokens,
-                memory_fraction=memory_fraction,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                max_n=max_n,
-            ),
-            worker=WorkerConfig(device=device, dtype=dtype, num_threads=num_threads, seed=seed),
+        self.config = EngineConfig.from_options(
+            str(self.checkpoint.path),
+            block_size=block_size,
+            kv_cache_tokens=kv_cache_tokens,
+            memory_fraction=memory_fraction,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_n=max_n,
+            dtype=dtype,
+            device=device,
+            num_threads=num_threads,
+            seed=seed,
         )
         eos = set(self.checkpoint.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))

@@ -70,6 +70,7 @@ class RequestTracker:
         self.num_cached_tokens = 0
         self.finished = False
         self.error: str | None = None
+        self.error_rejected = False
         self.aborted_by_stop_string = False
 
     def apply(self, out: RequestOutput) -> list[TextDelta]:
@@ -77,6 +78,7 @@ class RequestTracker:
         self.num_cached_tokens = out.num_cached_tokens
         if out.error is not None:
             self.error = out.error
+            self.error_rejected = out.error_kind == "rejected"
         deltas = [self._apply_seq(seq) for seq in out.seqs]
         if out.finished:
             self.finished = True

@@ -27,11 +27,8 @@ from fastapi.responses import JSONResponse, Response
 
 from radixkv.checkpoint import CheckpointError, resolve_checkpoint
 from radixkv.config import (
-    CacheConfig,
     ConfigError,
     EngineConfig,
-    SchedulerConfig,
-    WorkerConfig,
 )
 from radixkv.server.body_limit import BodyLimitMiddleware
 from radixkv.server.chat import create_chat_completion, render_chat
@@ -136,29 +133,6 @@ def create_app(state: ServerState, on_start_failure: Callable[[str], None]) -> F
     return app
 
 
-def engine_config(model_path: str, kwargs: dict[str, Any]) -> EngineConfig:
-    """The engine configuration `radixkv.cli.engine_kwargs` describes (as LLM builds it)."""
-    return EngineConfig(
-        model=model_path,
-        cache=CacheConfig(
-            block_size=kwargs["block_size"],
-            kv_cache_tokens=kwargs["kv_cache_tokens"],
-            memory_fraction=kwargs["memory_fraction"],
-            enable_prefix_caching=kwargs["enable_prefix_caching"],
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=kwargs["max_num_seqs"],
-            max_num_batched_tokens=kwargs["max_num_batched_tokens"],
-            max_model_len=kwargs["max_model_len"],
-            max_n=kwargs["max_n"],
-        ),
-        worker=WorkerConfig(
-            device=kwargs["device"], dtype=kwargs["dtype"],
-            num_threads=kwargs["num_threads"], seed=kwargs["seed"],
-        ),
-    )
-
-
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Run the server until interrupted; the exit status (1 if the engine failed to start)."""
     logging.basicConfig(
@@ -174,7 +148,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             api_keys=tuple(args.api_key),
             served_model_name=args.served_model_name or checkpoint.name,
             max_body_bytes=args.max_body_bytes,
-            engine=engine_config(str(checkpoint.path), engine_kwargs),
+            engine=EngineConfig.from_options(str(checkpoint.path), **engine_kwargs),
         )
         state = ServerState.build(settings, checkpoint)
     except (CheckpointError, ConfigError) as exc:

@@ -6,9 +6,7 @@
 
 One daemon thread owns the `EngineHandle` for its whole life: it starts the engine (minutes
 for a big model, while /health answers 503), receives every message, and closes the engine
-at the end. It must outlive the engine: the scheduler process asks Linux to kill it when the
-thread that started it exits (PR_SET_PDEATHSIG follows the thread, not the process).
-The event loop sends, under a lock the engine thread also takes to close the sockets.
+at the end. The event loop sends, under a lock the engine thread also takes to close the sockets.
 """
 
 from __future__ import annotations
@@ -149,11 +147,10 @@ class EngineClient:
                 if isinstance(item, _EngineDown):
                     done = True
                     raise EngineUnavailable(item.reason)
-                produced_before = bool(tracker.streams)
                 deltas = tracker.apply(item)
                 if tracker.error is not None:
                     done = True
-                    raise RequestFailed(tracker.error, rejected=not produced_before)
+                    raise RequestFailed(tracker.error, rejected=tracker.error_rejected)
                 if tracker.needs_abort:  # stop strings ended every stream
                     self._send(AbortRequest(request_id))
                     tracker.finished = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixkv.config import EngineConfig
+from radixkv.config import EngineConfig, kv_blocks_needed
 from radixkv.ipc.protocol import EngineReady
 from radixkv.sampling_params import BeamSearchParams, SamplingParams, SamplingParamsError
 from radixkv.server.errors import bad_request
@@ -60,7 +60,7 @@ class EngineLimits:
                 f"requested {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} "
                 "for the completion): reduce the prompt or max_tokens", "max_tokens",
             )
-        needed = self._blocks_needed(prompt_len, max_tokens, width)
+        needed = kv_blocks_needed(prompt_len, max_tokens, width, self.block_size)
         if needed > self.num_blocks:
             raise bad_request(
                 f"the request needs up to {needed} KV blocks but the engine's pool has "
@@ -79,10 +79,6 @@ class EngineLimits:
                 "the prompt leaves no room for a completion in this engine", "messages"
             )
         return limit
-
-    def _blocks_needed(self, prompt_len: int, max_tokens: int, width: int) -> int:
-        prompt_blocks = -(-prompt_len // self.block_size)
-        return prompt_blocks + width * (-(-max_tokens // self.block_size) + 1)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from radixkv.tokenizer import Tokenizer
 
 # After a request error, how long to wait for an EngineFailure that may be right behind it
 # (a dying engine ends every request with an error, then says it failed).
-_FAILURE_GRACE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -145,15 +144,14 @@ class Submission:
             raise engine_unavailable(str(exc)) from exc
         except RequestFailed as exc:
             outcome = "failed"
-            raise await self._classify(exc) from exc
+            raise self._classify(exc) from exc
         finally:
             self.metrics.requests.labels(outcome=outcome).inc()
 
-    async def _classify(self, exc: RequestFailed) -> APIError:
-        if self.engine.serving:
-            await asyncio.sleep(_FAILURE_GRACE_S)
-        if not self.engine.serving:
-            return engine_unavailable(self.engine.status)
+    @staticmethod
+    def _classify(exc: RequestFailed) -> APIError:
+        """A rejected request is the client's (400); any other failure means the engine
+        broke and every request ended with it (503)."""
         if exc.rejected:
             return bad_request(f"the engine refused the request: {exc}")
-        return APIError(500, f"the request failed in the engine: {exc}", type="server_error")
+        return engine_unavailable(f"the engine failed: {exc}")

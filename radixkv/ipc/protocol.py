@@ -109,12 +109,16 @@ class SeqOutput:
 @record(tag=6)
 @dataclass(frozen=True)
 class RequestOutput:
+    """`error_kind` says who is at fault when `error` is set: "rejected" (the request cannot
+    run on this engine; it produced nothing) or "failed" (the engine broke)."""
+
     request_id: str
     seqs: list[SeqOutput]
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
     error: str | None = None
+    error_kind: str | None = None
 
 
 @record(tag=7)

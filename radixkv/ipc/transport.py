@@ -7,9 +7,7 @@ process never blocks on a peer that is gone: it polls with a timeout and checks 
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -102,20 +100,14 @@ class Channel:
         self._recv.close(linger=0)
 
 
-def die_with_parent() -> int:
-    """Ask Linux to kill this process when its parent dies; returns the parent's pid so
-    loops can also poll for it (the signal is Linux-only)."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        except OSError:
-            pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-    return parent
+def watch_parent() -> int:
+    """The parent's pid, for `parent_alive` polls: every loop of the scheduler and worker
+    checks it, so neither outlives its parent by more than a poll interval (or one step).
+
+    Polling rather than Linux's PR_SET_PDEATHSIG: that signal fires when the *thread* that
+    started the child exits, which would kill an engine created from a short-lived thread.
+    """
+    return os.getppid()
 
 
 def parent_alive(parent_pid: int) -> bool:
@@ -146,9 +138,14 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
 
 
 def wait_for(
-    channel: Channel, proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str
+    channel: Channel,
+    proc: subprocess.Popen[bytes] | None,
+    timeout_s: float,
+    what: str,
+    parent_pid: int | None = None,
 ) -> Any:
-    """Block for the next record, raising PeerDiedError if `proc` exits first."""
+    """Block for the next record, raising PeerDiedError if `proc` (or, when given, our own
+    parent) exits first."""
     deadline = time.monotonic() + timeout_s
     while True:
         message = channel.recv(POLL_INTERVAL_S)
@@ -156,5 +153,7 @@ def wait_for(
             return message
         if proc is not None and proc.poll() is not None:
             raise PeerDiedError(f"the {what} process exited with code {proc.returncode}")
+        if parent_pid is not None and not parent_alive(parent_pid):
+            raise PeerDiedError("our parent process exited")
         if time.monotonic() > deadline:
             raise TimeoutError(f"no message from the {what} within {timeout_s:.0f} s")

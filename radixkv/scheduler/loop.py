@@ -41,12 +41,12 @@ from radixkv.ipc.transport import (
     WORKER_OUT,
     Channel,
     PeerDiedError,
-    die_with_parent,
     parent_alive,
     socket_address,
     start_process,
     stop_process,
     wait_for,
+    watch_parent,
 )
 from radixkv.kvcache import KVCacheManager
 from radixkv.scheduler.request import RequestError
@@ -63,7 +63,7 @@ class EngineDown(Exception):
 class SchedulerProcess:
     def __init__(self, socket_dir: Path, config_path: Path, config: EngineConfig):
         self.config = config
-        self.parent = die_with_parent()
+        self.parent = watch_parent()
         self.context = zmq.Context()
         self.front = Channel(
             self.context,
@@ -92,7 +92,8 @@ class SchedulerProcess:
         try:
             scheduler = self._start()
         except (EngineDown, PeerDiedError, TimeoutError) as exc:
-            self._tell_front(EngineFailure(str(exc)))
+            if parent_alive(self.parent):
+                self._tell_front(EngineFailure(str(exc)))
             self._stop_worker()
             return 1
         try:
@@ -112,7 +113,9 @@ class SchedulerProcess:
             self.front.send(message)
 
     def _start(self) -> Scheduler:
-        ready = wait_for(self.worker, self.worker_proc, STARTUP_TIMEOUT_S, "worker")
+        ready = wait_for(
+            self.worker, self.worker_proc, STARTUP_TIMEOUT_S, "worker", self.parent
+        )
         if isinstance(ready, WorkerFailure):
             raise EngineDown(ready.message)
         assert isinstance(ready, WorkerReady), f"unexpected {type(ready).__name__}"
@@ -168,7 +171,7 @@ class SchedulerProcess:
         return True
 
     def _await_step(self, step_id: int) -> StepOutput:
-        reply = wait_for(self.worker, self.worker_proc, float("inf"), "worker")
+        reply = wait_for(self.worker, self.worker_proc, float("inf"), "worker", self.parent)
         if isinstance(reply, WorkerFailure):
             raise EngineDown(reply.message)
         assert isinstance(reply, StepOutput) and reply.step_id == step_id, "worker out of step"
@@ -205,7 +208,7 @@ def _rejected(message: AddRequest, error: str) -> RequestOutput:
     return RequestOutput(
         request_id=message.request_id, seqs=[],
         num_prompt_tokens=len(message.prompt_token_ids), num_cached_tokens=0,
-        finished=True, error=error,
+        finished=True, error=error, error_kind="rejected",
     )
 
 

@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable
 
 from radixkv import envs
-from radixkv.config import SchedulerConfig
+from radixkv.config import SchedulerConfig, kv_blocks_needed
 from radixkv.ipc.protocol import (
     AddRequest,
     BlockUpdate,
@@ -111,10 +111,10 @@ class Scheduler:
 
     def _check_fits_pool(self, request: Request) -> None:
         """A request that could not run even alone in an empty pool would never finish."""
-        block_size = self.kv.block_size
-        prompt_blocks = -(-len(request.prompt_token_ids) // block_size)
-        output_blocks = -(-request.max_new_tokens // block_size) + 1
-        needed = prompt_blocks + request.num_sequences * output_blocks
+        needed = kv_blocks_needed(
+            len(request.prompt_token_ids), request.max_new_tokens, request.num_sequences,
+            self.kv.block_size,
+        )
         if needed > self.kv.num_blocks:
             raise RequestError(
                 f"the request needs up to {needed} KV blocks but the pool has "
@@ -138,6 +138,7 @@ class Scheduler:
             RequestOutput(
                 request_id=r.request_id, seqs=[], num_prompt_tokens=len(r.prompt_token_ids),
                 num_cached_tokens=r.num_cached_tokens, finished=True, error=message,
+                error_kind="failed",
             )
             for r in self.requests.values()
         ]

@@ -20,14 +20,14 @@ from radixkv.ipc.transport import (
     WORKER_IN,
     WORKER_OUT,
     Channel,
-    die_with_parent,
     parent_alive,
     socket_address,
+    watch_parent,
 )
 
 
 def run(socket_dir: Path, config: EngineConfig) -> int:
-    parent = die_with_parent()
+    parent = watch_parent()
     context = zmq.Context()
     channel = Channel(
         context,

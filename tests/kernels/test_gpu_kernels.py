@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-from radixkv.kernels import reference
 
+from radixkv.kernels import reference
 from tests.kernels.paged_batch import make_paged_batch
 
 pytestmark = pytest.mark.gpu

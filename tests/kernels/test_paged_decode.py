@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from radixkv.kernels import reference
 
+from radixkv.kernels import reference
 from tests.kernels.paged_batch import make_paged_batch
 
 # Very different lengths in one batch; most end mid-block; one is a single token.

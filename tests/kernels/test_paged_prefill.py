@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from radixkv.kernels import reference
 
+from radixkv.kernels import reference
 from tests.kernels.paged_batch import make_paged_batch
 
 # (cached prefix, new tokens): empty prefixes, prefixes and chunks ending mid-block, a long

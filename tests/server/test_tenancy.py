@@ -23,6 +23,11 @@ def cached_tokens(client: openai.OpenAI, model: str, prompt: str, salt: str | No
     return cached
 
 
+# Token-granular hits: a fresh prompt may still share its first token or two with an earlier
+# prompt of the same tenant (the uuid's first hex digits), so "nothing cached" allows that.
+COINCIDENTAL = 2
+
+
 def long_prompt() -> str:
     """About 80 tokens nobody has sent before."""
     return f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 6
@@ -31,10 +36,10 @@ def long_prompt() -> str:
 def test_two_keys_do_not_share_cache_hits(tiny_server: ServerProcess, model_name: str) -> None:
     alpha, bravo = tiny_server.client(KEY_A), tiny_server.client(KEY_B)
     prompt = long_prompt()
-    assert cached_tokens(alpha, model_name, prompt) == 0
+    assert cached_tokens(alpha, model_name, prompt) <= COINCIDENTAL
     hit = cached_tokens(alpha, model_name, prompt)
     assert hit > 32  # the tenant's own second request is served from the cache
-    assert cached_tokens(bravo, model_name, prompt) == 0  # the other tenant computes it
+    assert cached_tokens(bravo, model_name, prompt) <= COINCIDENTAL  # the other tenant computes it
     assert cached_tokens(bravo, model_name, prompt) == hit
     assert cached_tokens(alpha, model_name, prompt) == hit
 
@@ -42,12 +47,12 @@ def test_two_keys_do_not_share_cache_hits(tiny_server: ServerProcess, model_name
 def test_client_salt_subdivides_a_tenant(tiny_server: ServerProcess, model_name: str) -> None:
     alpha, bravo = tiny_server.client(KEY_A), tiny_server.client(KEY_B)
     prompt = long_prompt()
-    assert cached_tokens(alpha, model_name, prompt, salt="team-1") == 0
+    assert cached_tokens(alpha, model_name, prompt, salt="team-1") <= COINCIDENTAL
     assert cached_tokens(alpha, model_name, prompt, salt="team-1") > 0
-    assert cached_tokens(alpha, model_name, prompt, salt="team-2") == 0
-    assert cached_tokens(alpha, model_name, prompt) == 0  # no salt is a subdivision too
+    assert cached_tokens(alpha, model_name, prompt, salt="team-2") <= COINCIDENTAL
+    assert cached_tokens(alpha, model_name, prompt) <= COINCIDENTAL  # no salt is a subdivision too
     # The same client salt under another key is another tenant's subdivision.
-    assert cached_tokens(bravo, model_name, prompt, salt="team-1") == 0
+    assert cached_tokens(bravo, model_name, prompt, salt="team-1") <= COINCIDENTAL
 
 
 def test_salt_is_derived_from_the_key_not_the_key() -> None:

@@ -41,9 +41,9 @@ def check_manager_invariants(
         )
         assert seq.num_tokens <= seq.writable_len <= len(table) * bs, f"{where}: writable_len"
         assert len(set(table)) == len(table), f"{where}: a block twice in its table"
-        for block_id in table:
+        for block_id in table[seq.num_cached_blocks :]:  # the rest is held through its lock
             holders[block_id] += 1
-            referenced.add(block_id)
+        referenced.update(table)
         if seq.family is not None:
             assert seq_id in seq.family and len(seq.family) > 1, f"{where}: family"
             assert all(member in seqs for member in seq.family), f"{where}: dead relative"

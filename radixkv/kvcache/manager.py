@@ -27,12 +27,18 @@ each; at most 1/256 of the pool is evicted early, and small pools evict exactly.
 class KVCacheManager:
     """Block tables of live sequences over one pool, sharing computed prefixes.
 
-    A block's refcount is the number of live sequences whose table holds it, plus one while
-    the radix tree caches it. Each live sequence holds one lock in the tree, on a node whose
-    path holds every tree block the sequence uses; so the blocks of unlocked nodes are held by
-    the tree alone, and `num_available_blocks()` (free + evictable) is exact. Allocation
-    evicts unlocked cached prefixes, least recently used first, when the free list runs short
-    (in batches: see MAX_EVICTION_BATCH).
+    A block's refcount (`refcount()`) is the number of live sequences whose table holds it,
+    plus one while the radix tree caches it; it returns to the free list at zero.
+
+    Each live sequence holds one lock in the tree, on a node whose path holds every tree block
+    the sequence uses; so the blocks of unlocked nodes are held by the tree alone, and
+    `num_available_blocks()` (free + evictable) is exact. A sequence holds its cached prefix
+    (the first `num_cached_blocks` blocks of its table, all on its lock path) through that
+    lock alone: locked nodes are never evicted, so the tree's own reference keeps those
+    blocks allocated, and sharing a prefix of n blocks costs no n increfs and decrefs. The
+    allocator counts the other references: the tree's, and each sequence's for the rest of
+    its table. Allocation evicts unlocked cached prefixes, least recently used first, when the
+    free list runs short (in batches: see MAX_EVICTION_BATCH).
     With `enable_prefix_caching=False` nothing is ever matched or inserted.
     """
 
@@ -73,6 +79,19 @@ class KVCacheManager:
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
 
+    def refcount(self, block_id: BlockId) -> int:
+        """Live sequences whose table holds the block, plus one if the tree caches it.
+
+        The allocator's count plus the sequences holding it through their lock; O(live table
+        length), for tests and debugging.
+        """
+        through_locks = sum(
+            1
+            for seq in self._seqs.values()
+            if block_id in seq.block_ids[: seq.num_cached_blocks]
+        )
+        return self.allocator.refcount(block_id) + through_locks
+
     def peek_prefix(self, token_ids: Sequence[int], salt: Salt) -> int:
         """Tokens `admit` would reuse now for this prompt. Mutates nothing, not even LRU order."""
         if not self.enable_prefix_caching or len(token_ids) <= 1:
@@ -85,8 +104,8 @@ class KVCacheManager:
         """Start a sequence with a block table for all of `token_ids`.
 
         Matches `token_ids[:-1]` (the last token is always computed), shares the matched full
-        blocks (incref), locks the matched path, allocates the rest, the first fresh block
-        being the copy-on-write destination when the match ends inside a cached block.
+        blocks (held through a lock on the matched path), allocates the rest, the first fresh
+        block being the copy-on-write destination when the match ends inside a cached block.
         Evicts unlocked cached prefixes as needed. All or nothing: returns None and changes
         nothing (not even LRU order) when the blocks cannot be found.
         Raises SequenceExistsError if `seq_id` is live, InvalidTokensError if the prompt is
@@ -119,7 +138,6 @@ class KVCacheManager:
             node = tree.lock_prefix(node, num_node_blocks)
         new = allocator.allocate(num_new)
         assert new is not None, "eviction did not free the blocks it promised"
-        allocator.incref_all(shared)
         block_ids = shared + new
         copies: list[BlockCopy] = []
         num_cached_tokens = 0
@@ -152,22 +170,22 @@ class KVCacheManager:
             seq = self._seqs[seq_id]
         except KeyError:
             raise UnknownSequenceError(f"sequence {seq_id} is not live") from None
-        length = seq.num_tokens
-        new_len = length + num_tokens
-        if length < new_len <= seq.writable_len:
+        new_len = seq.num_tokens + num_tokens
+        if new_len <= seq.writable_len and num_tokens > 0:
             seq.num_tokens = new_len
             return NO_GROWTH
         return self._grow_slow(seq, num_tokens)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
-        """Start `child_id` as a copy of `parent_id`: same table (every block increfed), same
-        length, its own lock on the parent's lock node. The first write of either into a
-        shared block copies it (see `grow`). Raises UnknownSequenceError, SequenceExistsError.
+        """Start `child_id` as a copy of `parent_id`: same table (every block shared), same
+        length, its own lock on the parent's lock node (which holds the cached prefix; the
+        other blocks are increfed). The first write of either into a shared block copies it
+        (see `grow`). Raises UnknownSequenceError, SequenceExistsError.
         """
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise SequenceExistsError(f"sequence {child_id} is already live")
-        self.allocator.incref_all(parent.block_ids)
+        self.allocator.incref_all(parent.block_ids[parent.num_cached_blocks :])
         if parent.lock_node is not None:
             self.tree.lock(parent.lock_node)
         family = parent.family
@@ -209,25 +227,28 @@ class KVCacheManager:
         if num_full <= seq.num_cached_blocks:
             return []
         key = self._key(seq, token_ids, num_full * bs)
-        result = self._insert(seq, key, seq.block_ids[:num_full])
+        table = seq.block_ids
+        result = self._insert(seq, key, table[:num_full])
+        # its first result.num_blocks blocks are now on its lock path: from here on it holds
+        # them through the lock; it drops its own references to them (a duplicate's own copy
+        # is freed), except to those the tree took over
+        first, end = seq.num_cached_blocks, result.num_blocks
         replaced = result.duplicates
-        if replaced:
-            table = seq.block_ids
-            allocator = self.allocator
-            for index, tree_block_id in replaced:
-                own = table[index]
-                table[index] = tree_block_id
-                allocator.incref(tree_block_id)
-                allocator.decref(own)
-        seq.num_cached_blocks = result.num_blocks
+        tree_blocks = dict(replaced)
+        allocator = self.allocator
+        for index in range(first, end - result.num_new_blocks):
+            own = table[index]
+            table[index] = tree_blocks.get(index, own)
+            allocator.decref(own)
+        seq.num_cached_blocks = end
         if result.num_new_blocks and seq.family is not None:
             self._relock_relatives(seq_id, seq, result)
         return replaced
 
     def free(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> None:
         """End a sequence. With `token_ids` (its computed tokens), first insert them,
-        the partial tail block included (as a partial leaf). Then unlock and decref every
-        block, tail first, so the tail is evicted before the prefix.
+        the partial tail block included (as a partial leaf). Then release its lock and its
+        references, tail first, so the tail is evicted before the prefix.
         Raises UnknownSequenceError, InvalidTokensError if token_ids is longer than the
         sequence.
         """
@@ -237,30 +258,35 @@ class KVCacheManager:
                 f"sequence {seq_id} has {seq.num_tokens} tokens, cannot cache {len(token_ids)}"
             )
         num_tokens = len(token_ids) if token_ids is not None else 0
-        key = None
-        if token_ids and self.enable_prefix_caching:
-            key = self._key(seq, token_ids, num_tokens)
         del self._seqs[seq_id]
         tree = self.tree
         start = _resume_point(seq, self.block_size, num_tokens)
         if seq.lock_node is not None:
             tree.unlock(seq.lock_node, _uses_lock_node(seq, self.block_size))
         table = seq.block_ids
-        if key is not None:
+        own = table[seq.num_cached_blocks :]  # the rest it holds through its lock
+        if token_ids and self.enable_prefix_caching:
+            base = start.end if start is not None else 0
             num_blocks = -(-num_tokens // self.block_size)
-            result = tree.insert_key(key, table[:num_blocks], seq.salt, start, transfer=True)
+            result = tree.insert_key(
+                self._packed(seq, token_ids, base, num_tokens),
+                table[base // self.block_size : num_blocks],
+                seq.salt,
+                start,
+                transfer=True,
+            )
             if result.num_new_blocks:
                 if seq.family is not None:
                     self._relock_relatives(seq_id, seq, result)
                 # the tree took over our references to those blocks: release the others
-                taken_end = result.num_blocks
-                table = table[:taken_end - result.num_new_blocks] + table[taken_end:]
+                taken_from = result.num_blocks - result.num_new_blocks
+                own = table[seq.num_cached_blocks : taken_from] + table[result.num_blocks :]
         family = seq.family
         if family is not None:
             family.discard(seq_id)
             if len(family) == 1:
                 self._seqs[next(iter(family))].family = None
-        self.allocator.decref_all(reversed(table))
+        self.allocator.decref_all(reversed(own))
 
     # ------------------------------------------------------------------- the cache itself
 
@@ -322,14 +348,22 @@ class KVCacheManager:
         num_known = len(key) // TOKEN_BYTES
         if num_tokens <= num_known:
             return key if num_tokens == num_known else key[: num_tokens * TOKEN_BYTES]
-        last_known = int.from_bytes(key[-TOKEN_BYTES:], sys.byteorder) if num_known else None
-        if num_known and token_ids[num_known - 1] != last_known:
-            raise InvalidTokensError(
-                f"token_ids[{num_known - 1}] is {token_ids[num_known - 1]}, but this sequence"
-                f" has token {last_known} there: pass the sequence's own tokens"
-            )
+        _check_extends(seq, token_ids)
         seq.key = key = key + encode_tokens(token_ids[num_known:num_tokens])
         return key
+
+    def _packed(
+        self, seq: SequenceBlocks, token_ids: Sequence[int], start: int, end: int
+    ) -> TokenKey:
+        """Tokens start..end of `token_ids` packed, reusing `seq.key` (not extended)."""
+        key = seq.key
+        num_known = len(key) // TOKEN_BYTES
+        if end <= num_known:
+            return key[start * TOKEN_BYTES : end * TOKEN_BYTES]
+        _check_extends(seq, token_ids)
+        if start >= num_known:
+            return encode_tokens(token_ids[start:end])
+        return key[start * TOKEN_BYTES :] + encode_tokens(token_ids[num_known:end])
 
     def _insert(self, seq: SequenceBlocks, key: TokenKey, block_ids: list[BlockId]) -> InsertResult:
         """Insert, moving the sequence's lock to the deepest node holding its tokens.
@@ -342,7 +376,17 @@ class KVCacheManager:
         start = _resume_point(seq, self.block_size, len(key) // TOKEN_BYTES)
         if old is not None:
             tree.unlock(old, _uses_lock_node(seq, self.block_size))
-        result = tree.insert_key(key, block_ids, seq.salt, start)
+        if start is None:
+            result = tree.insert_key(key, block_ids, seq.salt, None, transfer=True)
+        else:
+            base = start.end
+            result = tree.insert_key(
+                key[base * TOKEN_BYTES :],
+                block_ids[base // self.block_size :],
+                seq.salt,
+                start,
+                transfer=True,
+            )
         node = result.node
         if old is not None and old.parent is not None and (
             node is None or _is_descendant(old, node)
@@ -382,29 +426,36 @@ class KVCacheManager:
                 raise InvalidTokensError(f"cannot grow by {num_tokens} tokens")
             return NO_GROWTH
         bs = self.block_size
+        table = seq.block_ids
+        new_len = seq.num_tokens + num_tokens
+        num_new = -(-new_len // bs) - len(table)
+        if seq.writable_len == len(table) * bs:  # nothing shared: new blocks only
+            new = self.allocator.allocate(num_new)
+            if new is None:
+                if not self._evict_for(num_new):
+                    return None
+                new = self.allocator.allocate(num_new)
+                assert new is not None
+            table.extend(new)
+            seq.num_tokens = new_len
+            seq.writable_len = len(table) * bs
+            # tuple.__new__ skips the NamedTuple constructor's Python frame (a hot path)
+            return tuple.__new__(Growth, (tuple(new), (), ())) if new else NO_GROWTH
+        return self._grow_forked(seq, new_len, max(0, num_new))
+
+    def _grow_forked(self, seq: SequenceBlocks, new_len: int, num_new: int) -> Growth | None:
+        """Grow a sequence that may share blocks from its write frontier on (after a fork):
+        each shared one it will write into is first replaced by a private copy."""
+        bs = self.block_size
         allocator = self.allocator
         table = seq.block_ids
         length = seq.num_tokens
-        new_len = length + num_tokens
-        num_new = -(-new_len // bs) - len(table)
-        to_copy: list[int] = []
-        if seq.writable_len < len(table) * bs:
-            # forked: every block from the write frontier on may be shared
-            refcount = allocator.refcount
-            to_copy = [i for i in range(length // bs, len(table)) if refcount(table[i]) > 1]
-        needed = len(to_copy) + num_new
-        num_free = allocator.num_free_blocks
-        if needed > num_free:
-            if needed > num_free + self.tree.num_evictable_blocks:
-                return None
-            self.tree.evict(max(needed - num_free, self._eviction_batch))
-        seq.num_tokens = new_len
-        if not to_copy:
-            new = allocator.allocate(num_new)
-            assert new is not None
-            table.extend(new)
-            seq.writable_len = len(table) * bs
-            return Growth(tuple(new)) if new else NO_GROWTH
+        refcount = allocator.refcount
+        to_copy = [i for i in range(length // bs, len(table)) if refcount(table[i]) > 1]
+        if len(to_copy) + num_new > allocator.num_free_blocks and not self._evict_for(
+            len(to_copy) + num_new
+        ):
+            return None
         replaced: list[tuple[int, BlockId]] = []
         copies: list[BlockCopy] = []
         for index in to_copy:
@@ -414,12 +465,38 @@ class KVCacheManager:
             assert copy is not None
             table[index] = fresh
             replaced.append((index, fresh))
-            if index * bs < length:
+            if index * bs < length:  # a block it has written nothing into needs no copy
                 copies.append(copy)
-        new = allocator.allocate(max(0, num_new)) or []
+        new = allocator.allocate(num_new)
+        assert new is not None
         table.extend(new)
+        seq.num_tokens = new_len
         seq.writable_len = len(table) * bs
+        if not new and not replaced:
+            return NO_GROWTH
         return Growth(tuple(new), tuple(replaced), tuple(copies))
+
+    def _evict_for(self, num_blocks: int) -> bool:
+        """Make `num_blocks` blocks free by evicting (a batch at least), or change nothing and
+        return False when even evicting everything evictable would not."""
+        num_free = self.allocator.num_free_blocks
+        if num_blocks > num_free + self.tree.num_evictable_blocks:
+            return False
+        self.tree.evict(max(num_blocks - num_free, self._eviction_batch))
+        return True
+
+
+def _check_extends(seq: SequenceBlocks, token_ids: Sequence[int]) -> None:
+    """A cheap guard: the tokens the sequence was admitted with must start `token_ids` (only
+    the last known one is compared)."""
+    num_known = len(seq.key) // TOKEN_BYTES
+    if num_known:
+        last_known = int.from_bytes(seq.key[-TOKEN_BYTES:], sys.byteorder)
+        if token_ids[num_known - 1] != last_known:
+            raise InvalidTokensError(
+                f"token_ids[{num_known - 1}] is {token_ids[num_known - 1]}, but this sequence"
+                f" has token {last_known} there: pass the sequence's own tokens"
+            )
 
 
 def _is_descendant(node: RadixNode | None, ancestor: RadixNode) -> bool:

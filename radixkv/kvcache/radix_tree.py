@@ -197,11 +197,15 @@ class RadixTree:
         start: RadixNode | None = None,
         transfer: bool = False,
     ) -> InsertResult:
-        """`insert` of a packed key. With `start`, resume at that node instead of the root: it
-        must end on a block boundary and its path must spell the key's tokens up to its end
-        (the caller vouches for that; it is not re-checked). With `transfer`, the caller hands
-        the tree its own references to the blocks the tree takes (no incref): it must not
-        decref those blocks afterwards.
+        """`insert` of a packed key.
+
+        With `start`, resume below that node instead of the root: `key` and `block_ids` then
+        hold only what follows it (tokens from offset `start.end` on, and their blocks), and
+        the caller vouches that `start`'s path spells the sequence's tokens before them (it is
+        not re-checked); `start` must end on a block boundary. Indices in the result count
+        from the sequence's first block either way. With `transfer`, the caller hands the
+        tree its own references to the blocks the tree takes (no incref): it must not decref
+        those blocks afterwards.
         """
         bs, bb = self.block_size, self._block_bytes
         n = len(key)
@@ -215,11 +219,13 @@ class RadixTree:
             node = self._roots.get(salt)
             if node is None:
                 node = self._roots[salt] = RadixNode(None, b"", 0, b"", [], 0)
-            pos = 0
+            base = 0
         else:
             node = start
-            pos = start.end * TOKEN_BYTES
-            assert pos % bb == 0 and pos <= n, "insertion resumes only at a block boundary"
+            base = start.end
+            assert base % bs == 0, "insertion resumes only at a block boundary"
+        base_block = base // bs
+        pos = 0  # bytes into key
         deepest = node if node.parent is not None else None
         duplicates: list[tuple[int, BlockId]] = []
         while pos < n:
@@ -234,12 +240,13 @@ class RadixTree:
                     if grown is not None:  # we wrote more tokens into a block cached partially
                         deepest = grown
                         if end >= n:
-                            return InsertResult(grown, len(block_ids), 0, duplicates)
+                            return InsertResult(grown, base_block + len(block_ids), 0, duplicates)
                         node = grown
                         pos = end
                         continue
-                leaf = self._attach(node, key, pos, block_ids, transfer)
-                return InsertResult(leaf, len(block_ids), len(leaf.block_ids), duplicates)
+                leaf = self._attach(node, key, pos, block_ids, base, transfer)
+                num_taken = len(leaf.block_ids)
+                return InsertResult(leaf, base_block + len(block_ids), num_taken, duplicates)
             if end > n:
                 break  # an identical partial leaf already holds our partial tail
             child_tokens = child.tokens
@@ -250,12 +257,14 @@ class RadixTree:
                 and pos + child_len <= n
                 and key.startswith(child_tokens, pos)
             ):
-                _note_duplicates(child.block_ids, block_ids, first, duplicates)
+                _note_duplicates(child.block_ids, block_ids, first, base_block, duplicates)
                 node = deepest = child
                 pos += child_len
                 continue
             num_equal = _num_equal_blocks(key, pos, n, child_tokens, bb)
-            _note_duplicates(child.block_ids[:num_equal], block_ids, first, duplicates)
+            _note_duplicates(
+                child.block_ids[:num_equal], block_ids, first, base_block, duplicates
+            )
             deepest = child
             offset = num_equal * bb
             pos += offset
@@ -267,7 +276,7 @@ class RadixTree:
             # diverging (or fuller than the child's partial tail): the new leaf hangs at the
             # block boundary, next to what remains of the child
             node = self._split(child, num_equal)
-        return InsertResult(deepest, pos // bb, 0, duplicates)
+        return InsertResult(deepest, base_block + pos // bb, 0, duplicates)
 
     # ------------------------------------------------------------------------ lock, evict
 
@@ -443,10 +452,11 @@ class RadixTree:
         key: TokenKey,
         pos: int,
         block_ids: Sequence[BlockId],
-        transfer: bool = False,
+        base: int,
+        transfer: bool,
     ) -> RadixNode:
-        """Hang the rest of `key` (from byte `pos`, a block boundary) and of `block_ids`
-        under `parent` as a new leaf, taking the blocks."""
+        """Hang the rest of `key` (from byte `pos`, a block boundary; token `base` is its
+        first) and of `block_ids` under `parent` as a new leaf, taking the blocks."""
         bb = self._block_bytes
         child_key = key[pos : pos + bb]
         if parent.num_partial_children:
@@ -454,7 +464,9 @@ class RadixTree:
         taken = list(block_ids[pos // bb :])
         if not transfer:
             self._allocator.incref_all(taken)
-        leaf = RadixNode(parent, child_key, pos // TOKEN_BYTES, key[pos:], taken, self._tick())
+        leaf = RadixNode(
+            parent, child_key, base + pos // TOKEN_BYTES, key[pos:], taken, self._tick()
+        )
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
             self._lru.remove(parent.stamp)
         self._add_child(parent, leaf)
@@ -586,6 +598,7 @@ def _note_duplicates(
     tree_block_ids: list[BlockId],
     block_ids: Sequence[BlockId],
     first: int,
+    base_block: int,
     duplicates: list[tuple[int, BlockId]],
 ) -> None:
     ours = list(block_ids[first : first + len(tree_block_ids)])
@@ -593,4 +606,4 @@ def _note_duplicates(
         return
     for offset, tree_block_id in enumerate(tree_block_ids):
         if ours[offset] != tree_block_id:
-            duplicates.append((first + offset, tree_block_id))
+            duplicates.append((base_block + first + offset, tree_block_id))

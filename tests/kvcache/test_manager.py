@@ -33,7 +33,7 @@ def s(i: int) -> SeqId:
 
 
 def refcounts(kv: KVCacheManager, *ids: int) -> list[int]:
-    return [kv.allocator.refcount(BlockId(i)) for i in ids]
+    return [kv.refcount(BlockId(i)) for i in ids]
 
 
 def tree_shape(kv: KVCacheManager, salt: str | None = None) -> list[tuple]:
@@ -58,6 +58,10 @@ def test_shared_system_prompt_is_computed_once(kv: KVCacheManager) -> None:
     admission = kv.admit(s(1), a + [7, 8, 9], None)
     assert admission == Admission(12, b(0, 1, 2, 4), [])
     assert refcounts(kv, 0, 1, 2, 3, 4) == [3, 3, 3, 1, 1]
+    # both sequences hold the cached prefix through their locks: the allocator counts only
+    # the tree's reference there
+    assert [kv.allocator.refcount(BlockId(i)) for i in range(5)] == [1, 1, 1, 1, 1]
+    assert tree_shape(kv)[0][3] == 2
     kv.check_invariants()
     stats = kv.stats()
     assert (stats.hit_tokens, stats.queried_tokens) == (12, 12 + 14)

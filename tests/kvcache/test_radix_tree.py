@@ -290,11 +290,12 @@ def test_unlock_stamps_the_path_deepest_first_and_match_changes_nothing() -> Non
     assert lru_tokens(tree) == [(5, 6), (1, 2, 3, 4)]
 
 
-def test_insert_key_resumes_below_a_node() -> None:
+def test_insert_key_resumes_below_a_node_with_only_what_follows_it() -> None:
     allocator, tree = make(num_blocks=8, block_size=2)
     cache(allocator, tree, [1, 2, 3, 4])
     node = _node(tree, (1, 2, 3, 4))
-    blocks = [*node.block_ids, *(allocator.allocate(1) or [])]
-    result = tree.insert_key(encode_tokens([1, 2, 3, 4, 5, 6]), blocks, None, start=node)
-    assert result.num_new_blocks == 1 and result.node is not None
-    assert result.node.token_ids == (5, 6) and result.node.parent is node
+    (tail,) = allocator.allocate(1) or []
+    result = tree.insert_key(encode_tokens([5, 6]), [tail], None, start=node)
+    assert (result.num_blocks, result.num_new_blocks) == (3, 1)  # counted from block 0
+    assert result.node is not None and result.node.parent is node
+    assert (result.node.start, result.node.token_ids, result.node.block_ids) == (4, (5, 6), [2])

@@ -28,7 +28,9 @@ import pstats
 import random
 import sys
 import time
+from array import array
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -38,12 +40,15 @@ from radixkv.kvcache import KVCacheManager, SeqId
 VOCAB_SIZE = 32_000
 
 
+TokenIds = Sequence[int]  # array("I") by default, tuples with --tuples
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     request_id: str
-    prompt: tuple[int, ...]
-    outputs: tuple[tuple[int, ...], ...]  # one per sequence of the group
-    full: tuple[tuple[int, ...], ...]  # prompt + output, per sequence
+    prompt: TokenIds
+    outputs: tuple[TokenIds, ...]  # one per sequence of the group
+    full: tuple[TokenIds, ...]  # prompt + output, per sequence
 
 
 # --------------------------------------------------------------------------------- gen
@@ -102,22 +107,26 @@ def generate_trace(
 # ------------------------------------------------------------------------------ replay
 
 
-def load_trace(path: Path) -> list[TraceRequest]:
+def load_trace(path: Path, packed: bool = True) -> list[TraceRequest]:
+    """Read a trace. Token ids are kept as array("I") (4 bytes a token, the form the KV
+    manager packs without a per-token conversion, as vLLM keeps its token ids), or with
+    `packed=False` as tuples of Python ints (what a scheduler holding lists passes)."""
+    container = (lambda ids: array("I", ids)) if packed else tuple
     requests = []
     with path.open() as f:
         for line in f:
             if not line.strip():
                 continue
             record = json.loads(line)
-            prompt = tuple(record["prompt"])
-            outputs = (tuple(record["output"]),) + tuple(
-                tuple(extra) for extra in record.get("extra_outputs", ())
-            )
-            if not prompt or any(not output for output in outputs):
+            outputs = [record["output"], *record.get("extra_outputs", ())]
+            if not record["prompt"] or any(not output for output in outputs):
                 raise SystemExit(f"request {record['id']}: empty prompt or output")
             requests.append(
                 TraceRequest(
-                    record["id"], prompt, outputs, tuple(prompt + out for out in outputs)
+                    record["id"],
+                    container(record["prompt"]),
+                    tuple(container(output) for output in outputs),
+                    tuple(container(record["prompt"] + output) for output in outputs),
                 )
             )
     return requests
@@ -144,7 +153,7 @@ def replay(
     num_blocks = manager.num_blocks
     waiting: deque[int] = deque(range(len(requests)))
     running: list[SeqId] = []  # admission order: the newest last
-    live: dict[SeqId, tuple[tuple[int, ...], int]] = {}  # seq -> (all its tokens, request)
+    live: dict[SeqId, tuple[TokenIds, int]] = {}  # seq -> (all its tokens, request)
     finish_at: defaultdict[int, list[SeqId]] = defaultdict(list)  # step -> seqs done after it
     ones = repeat(1)
     next_seq_id = step = num_sequences = peak = num_preemptions = 0
@@ -199,7 +208,7 @@ def _grow_with_preemption(
     manager: KVCacheManager,
     running: list[SeqId],
     grown: list[object],
-    live: dict[SeqId, tuple[tuple[int, ...], int]],
+    live: dict[SeqId, tuple[TokenIds, int]],
     waiting: deque[int],
 ) -> int:
     """Retry the grows that found no block, preempting the newest running request (freed
@@ -233,12 +242,13 @@ def run_replay(args: argparse.Namespace) -> dict[str, object]:
         "block_size": args.block_size,
         "num_blocks": num_blocks,
         "max_running": args.max_running,
+        "token_ids": "tuple" if args.tuples else "array('I')",
         "python": platform.python_version(),
         "machine": platform.machine(),
         "date": datetime.date.today().isoformat(),
     }
     print("config: " + json.dumps(config), flush=True)
-    requests = load_trace(trace)
+    requests = load_trace(trace, packed=not args.tuples)
     manager = KVCacheManager(num_blocks, args.block_size)
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
@@ -301,6 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check-every", type=int, default=0, help="check invariants every N steps")
     parser.add_argument("--profile", action="store_true", help="cProfile the replay (slower)")
     parser.add_argument("--json-out", help="also write the summary JSON to this file")
+    parser.add_argument(
+        "--tuples",
+        action="store_true",
+        help="hold token ids as tuples of ints instead of array('I') (see load_trace)",
+    )
     args = parser.parse_args(argv)
     print(json.dumps(run_replay(args)))
 

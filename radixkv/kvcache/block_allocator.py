@@ -110,6 +110,19 @@ class BlockAllocator:
                 raise BlockRefcountError(f"decref of free block {block_id} (double free)")
         return num_freed
 
+    def release_all(self, block_ids: Sequence[BlockId]) -> None:
+        """Free blocks whose only holder is the caller (refcount 1), pushing them in the given
+        order; a cheaper `decref_all` for eviction. Raises BlockRefcountError if a block has
+        another holder or none."""
+        refcounts = self._refcounts
+        for block_id in block_ids:
+            if refcounts[block_id] != 1:
+                raise BlockRefcountError(
+                    f"release of block {block_id} with refcount {refcounts[block_id]}"
+                )
+            refcounts[block_id] = 0
+        self._free.extend(block_ids)
+
     def copy_on_write(self, block_id: BlockId) -> tuple[BlockId, BlockCopy | None] | None:
         """Give one holder of `block_id` a block it may write into.
 

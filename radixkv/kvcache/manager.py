@@ -532,7 +532,7 @@ def _resume_point(seq: SequenceBlocks, block_size: int, num_tokens: int) -> Radi
     if (
         node is None
         or node.parent is None
-        or node.end != boundary
+        or node.start + len(node.tokens) // TOKEN_BYTES != boundary
         or node.block_ids[-1] != seq.block_ids[num_cached - 1]
     ):
         return None

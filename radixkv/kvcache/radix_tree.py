@@ -222,7 +222,7 @@ class RadixTree:
             base = 0
         else:
             node = start
-            base = start.end
+            base = start.start + len(start.tokens) // TOKEN_BYTES
             assert base % bs == 0, "insertion resumes only at a block boundary"
         base_block = base // bs
         pos = 0  # bytes into key
@@ -287,7 +287,7 @@ class RadixTree:
             if node.lock_count == 0:
                 self.num_evictable_blocks -= len(node.block_ids)
                 if not node.children:
-                    lru.remove(node.stamp)
+                    del lru[node.stamp]
             node.lock_count += 1
             node = node.parent
 
@@ -309,7 +309,7 @@ class RadixTree:
             if count == 0:
                 self.num_evictable_blocks += len(node.block_ids)
                 if not node.children:
-                    lru.add(node.stamp, node)
+                    lru[node.stamp] = node
             node = node.parent
         self._clock = clock
 
@@ -348,8 +348,8 @@ class RadixTree:
         """
         lru = self._lru
         num_freed = 0
-        while num_freed < num_blocks and len(lru):
-            leaf = lru.oldest()
+        while num_freed < num_blocks and lru:
+            leaf = lru.peekitem(0)[1]
             wanted = num_blocks - num_freed
             if len(leaf.block_ids) <= wanted:
                 num_freed += self._remove_leaf(leaf)
@@ -361,8 +361,8 @@ class RadixTree:
                 leaf.tokens = leaf.tokens[: keep * self._block_bytes]
                 self.num_blocks -= wanted
                 self.num_evictable_blocks -= wanted
-                freed = self._allocator.decref_all(reversed(dropped))
-                assert freed == wanted, f"evicted blocks of {leaf!r} are still referenced"
+                dropped.reverse()
+                self._allocator.release_all(dropped)  # raises if one is still referenced
                 num_freed += wanted
         self.num_evicted_blocks += num_freed
         return num_freed
@@ -386,7 +386,7 @@ class RadixTree:
 
     def lru_order(self) -> list[RadixNode]:
         """The evictable leaves, least recently used first."""
-        return list(self._lru)
+        return list(self._lru.values())
 
     def check_invariants(self) -> None:
         """Shape, keys, counts and the LRU set; raises AssertionError naming the first break."""
@@ -430,9 +430,9 @@ class RadixTree:
         assert num_evictable == self.num_evictable_blocks, (
             f"unlocked nodes hold {num_evictable} blocks, counted {self.num_evictable_blocks}"
         )
-        in_lru = {id(node) for node in self._lru}
+        in_lru = {id(node) for node in self._lru.values()}
         assert in_lru == leaves, "the LRU order is not exactly the unlocked leaves"
-        for stamp, node in zip(self._lru.stamps(), self._lru, strict=True):
+        for stamp, node in self._lru.items():
             assert stamp == node.stamp, f"{node!r} is in the LRU order under stamp {stamp}"
 
     # --------------------------------------------------------------------------- helpers
@@ -468,9 +468,9 @@ class RadixTree:
             parent, child_key, base + pos // TOKEN_BYTES, key[pos:], taken, self._tick()
         )
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
-            self._lru.remove(parent.stamp)
+            del self._lru[parent.stamp]
         self._add_child(parent, leaf)
-        self._lru.add(leaf.stamp, leaf)
+        self._lru[leaf.stamp] = leaf
         self.num_blocks += len(taken)
         self.num_evictable_blocks += len(taken)
         return leaf
@@ -535,16 +535,17 @@ class RadixTree:
         _remove_key(parent.child_keys, leaf.key)
         if len(leaf.key) < self._block_bytes:
             parent.num_partial_children -= 1
-        self._lru.remove(leaf.stamp)
+        del self._lru[leaf.stamp]
         block_ids = leaf.block_ids
         self.num_blocks -= len(block_ids)
         self.num_evictable_blocks -= len(block_ids)
-        num_freed = self._allocator.decref_all(reversed(block_ids))
-        assert num_freed == len(block_ids), f"evicted blocks of {leaf!r} are still referenced"
+        block_ids.reverse()
+        self._allocator.release_all(block_ids)  # raises if one is still referenced
+        num_freed = len(block_ids)
         leaf.block_ids = []
         leaf.parent = None  # removed: on no path any more
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
-            self._lru.add(parent.stamp, parent)
+            self._lru[parent.stamp] = parent
         return num_freed
 
 

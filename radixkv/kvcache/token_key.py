@@ -21,7 +21,13 @@ assert TOKEN_BYTES == 4, "array typecode 'I' must be 32 bits on this platform"
 
 
 def encode_tokens(token_ids: Sequence[int]) -> TokenKey:
-    """Pack token ids (0 <= id < 2**32). Raises InvalidTokensError otherwise."""
+    """Pack token ids (0 <= id < 2**32). Raises InvalidTokensError otherwise.
+
+    An `array("I")` is already packed: it is copied as it is, with no per-token work (a list
+    or tuple costs a conversion per token, which dominates matching a long prompt).
+    """
+    if type(token_ids) is array and token_ids.typecode == _TYPECODE:
+        return token_ids.tobytes()
     if isinstance(token_ids, bytes | bytearray):
         raise InvalidTokensError("token ids must be a sequence of ints, not bytes")
     try:

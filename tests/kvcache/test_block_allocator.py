@@ -100,3 +100,15 @@ def test_check_invariants_catches_refcount_mismatch() -> None:
 def test_pool_needs_a_block() -> None:
     with pytest.raises(ValueError):
         BlockAllocator(0)
+
+
+def test_release_all_frees_blocks_held_once_in_order() -> None:
+    allocator = BlockAllocator(4)
+    assert allocator.allocate(3) == b(0, 1, 2)
+    allocator.release_all(b(2, 0))
+    assert allocator.free_block_ids() == b(0, 2, 3)
+    allocator.incref(BlockId(1))
+    with pytest.raises(BlockRefcountError, match="refcount 2"):
+        allocator.release_all(b(1))
+    with pytest.raises(BlockRefcountError, match="refcount 0"):
+        allocator.release_all(b(3))

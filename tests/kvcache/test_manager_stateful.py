@@ -11,6 +11,7 @@ is referenced.
 from __future__ import annotations
 
 import random
+from array import array
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -77,9 +78,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         base=st.integers(0, len(BASES) - 1),
         cut=st.integers(0, 26),
         tail=tokens_st,
+        packed=st.booleans(),
     )
-    def admit(self, salt: Salt, base: int, cut: int, tail: list[int]) -> None:
-        self.admit_prompt(salt, BASES[base][:cut] + tail)
+    def admit(self, salt: Salt, base: int, cut: int, tail: list[int], packed: bool) -> None:
+        self.admit_prompt(salt, BASES[base][:cut] + tail, packed)
 
     @rule(salt=st.sampled_from(SALTS), base=st.integers(0, len(BASES) - 1), cut=st.integers(0, 26))
     def admit_twice(self, salt: Salt, base: int, cut: int) -> None:
@@ -87,14 +89,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.admit_prompt(salt, BASES[base][:cut] + [0])
         self.admit_prompt(salt, BASES[base][:cut] + [0])
 
-    def admit_prompt(self, salt: Salt, prompt: list[int]) -> None:
+    def admit_prompt(self, salt: Salt, prompt: list[int], packed: bool = False) -> None:
+        """Admit `prompt` (passed as array("I") when `packed`) and play the worker."""
         if not prompt:
             return
         seq_id = SeqId(self.next_id)
         self.next_id += 1
         peek = self.kv.peek_prefix(prompt, salt)
         before = self.snapshot()
-        admission = self.kv.admit(seq_id, prompt, salt)
+        admission = self.kv.admit(seq_id, array("I", prompt) if packed else prompt, salt)
         if admission is None:
             assert self.snapshot() == before, "a failed admit changed something"
             event("admit: no blocks")
@@ -158,24 +161,30 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.salts[child] = self.salts[parent]
 
     @precondition(lambda self: self.tables)
-    @rule(data=st.data(), fraction=st.floats(0, 1))
-    def cache(self, data: st.DataObject, fraction: float) -> None:
+    @rule(data=st.data(), fraction=st.floats(0, 1), packed=st.booleans())
+    def cache(self, data: st.DataObject, fraction: float, packed: bool) -> None:
         seq_id = self.pick(data)
         computed = self.tokens[seq_id][: round(fraction * len(self.tokens[seq_id]))]
-        replaced = self.kv.cache(seq_id, computed)
+        replaced = self.kv.cache(seq_id, array("I", computed) if packed else computed)
         if replaced:
             event("cache: switched to the tree's blocks")
         for index, block_id in replaced:
             self.tables[seq_id][index] = block_id
 
     @precondition(lambda self: self.tables)
-    @rule(data=st.data(), with_tokens=st.booleans(), fraction=st.floats(0, 1))
-    def free(self, data: st.DataObject, with_tokens: bool, fraction: float) -> None:
+    @rule(
+        data=st.data(), with_tokens=st.booleans(), fraction=st.floats(0, 1), packed=st.booleans()
+    )
+    def free(self, data: st.DataObject, with_tokens: bool, fraction: float, packed: bool) -> None:
         seq_id = self.pick(data)
         tokens = self.tokens.pop(seq_id)
         self.tables.pop(seq_id)
         self.salts.pop(seq_id)
-        self.kv.free(seq_id, tokens[: round(fraction * len(tokens))] if with_tokens else None)
+        computed = tokens[: round(fraction * len(tokens))]
+        if not with_tokens:
+            self.kv.free(seq_id)
+        else:
+            self.kv.free(seq_id, array("I", computed) if packed else computed)
 
     @rule(num_blocks=st.integers(0, 8))
     def evict(self, num_blocks: int) -> None:

@@ -41,3 +41,10 @@ def test_common_prefix_tokens(a: list[int], b: list[int], expected: int) -> None
 def test_bad_token_ids_raise(bad: object) -> None:
     with pytest.raises(InvalidTokensError):
         encode_tokens(bad)  # type: ignore[arg-type]
+
+
+def test_an_array_of_the_key_type_is_packed_as_it_is() -> None:
+    from array import array
+
+    assert encode_tokens(array("I", [1, 2, 3])) == encode_tokens([1, 2, 3])
+    assert encode_tokens(array("q", [1, 2, 3])) == encode_tokens([1, 2, 3])  # other widths

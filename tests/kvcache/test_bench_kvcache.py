@@ -1,0 +1,50 @@
+"""bench/bench_kvcache.py end to end on a small trace: gen, replay, fork groups, last line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_kvcache.py"
+
+
+def run(*args: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), *args], capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip().splitlines()
+
+
+@pytest.mark.parametrize("n_samples", [1, 3])
+def test_gen_then_replay(tmp_path: Path, n_samples: int) -> None:
+    trace = tmp_path / "trace.jsonl"
+    run("gen", "--out", str(trace), "--num-requests", "24", "--num-system-prompts", "3",
+        "--n-samples", str(n_samples))
+    lines = trace.read_text().splitlines()
+    assert len(lines) == 24
+    first = json.loads(lines[0])
+    extra = {"extra_outputs"} if n_samples > 1 else set()
+    assert set(first) == {"id", "prompt", "output"} | extra
+    assert 512 + 32 <= len(first["prompt"]) <= 2048 + 256
+    assert 16 <= len(first["output"]) <= 128
+    assert json.loads((tmp_path / "trace.jsonl.meta.json").read_text())["seed"] == 0
+
+    out = run("--trace", str(trace), "--kv-tokens", "8192", "--max-running", "6",
+              "--block-size", "16", "--check-every", "3")
+    assert out[0].startswith("config: ") and '"seed": 0' in out[0]
+    summary = json.loads(out[-1])
+    assert summary["invariants"] == "ok"
+    assert summary["num_requests"] == 24
+    assert summary["num_sequences"] == 24 * n_samples
+    assert 0.0 < summary["hit_rate"] < 1.0
+    for field in ("requests_per_s", "evicted_blocks", "peak_blocks_used"):
+        assert field in summary
+
+    again = json.loads(run("--trace", str(trace), "--kv-tokens", "8192", "--max-running", "6",
+                           "--tuples")[-1])
+    for field in ("hit_rate", "evicted_blocks", "peak_blocks_used", "num_steps"):
+        assert again[field] == summary[field]  # the replay is deterministic

@@ -99,9 +99,6 @@ def paged_prefill(
     Sequence i owns query rows `query_start_loc[i]:query_start_loc[i + 1]`; they attend
     causally to the cached prefix and to themselves (their K/V already stored).
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -113,15 +110,18 @@ def paged_prefill(
         context_len = seq_len - q_len
         keys = gather_context(k_cache, block_tables[i], seq_len).transpose(0, 1)
         values = gather_context(v_cache, block_tables[i], seq_len).transpose(0, 1)
-        # (H_kv, group, q_len, D) against (H_kv, 1, seq_len, D)
-        q = query[q_start:q_end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        q_pos = torch.arange(q_len, device=query.device)[:, None] + context_len
-        k_pos = torch.arange(seq_len, device=query.device)[None, :]
-        mask = k_pos <= q_pos  # (q_len, seq_len)
-        attn = F.scaled_dot_product_attention(
-            q.to(keys.dtype), keys[:, None], values[:, None], attn_mask=mask, scale=scale
-        )  # (H_kv, group, q_len, D)
-        out[q_start:q_end] = attn.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+        q = query[q_start:q_end].transpose(0, 1).to(keys.dtype)  # (H, q_len, D)
+        if context_len == 0:
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            q_pos = torch.arange(q_len, device=query.device)[:, None] + context_len
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True
+            )  # (H, q_len, D); query head h reads KV head h // (H / H_kv)
+        out[q_start:q_end] = attn.transpose(0, 1).to(query.dtype)
     return out
 
 

@@ -10,6 +10,7 @@ token each (rows `0 .. num_decode_seqs - 1` of the flat batch); the rest are pre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -37,6 +38,29 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    # Slices by phase, made once per step and shared by every layer (backends may memoise
+    # per-step plans on these very tensors).
+    @cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        return self.block_tables[: self.num_decode_seqs]
+
+    @cached_property
+    def decode_seq_lens(self) -> torch.Tensor:
+        return self.seq_lens[: self.num_decode_seqs]
+
+    @cached_property
+    def prefill_block_tables(self) -> torch.Tensor:
+        return self.block_tables[self.num_decode_seqs :]
+
+    @cached_property
+    def prefill_seq_lens(self) -> torch.Tensor:
+        return self.seq_lens[self.num_decode_seqs :]
+
+    @cached_property
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        starts = self.query_start_loc[self.num_decode_seqs :]
+        return starts - starts[0]
 
 
 class AttentionBackend(Protocol):
@@ -72,12 +96,15 @@ class ReferenceBackend:
 
 
 def select_backend(device: torch.device) -> AttentionBackend:
-    """Triton for CUDA tensors, the torch reference on CPU; RADIXKV_ATTENTION overrides."""
+    """Triton for CUDA tensors; on CPU the torch reference ops with a decode that reads
+    shared prefixes once (`cpu_attention`). RADIXKV_ATTENTION=reference|triton overrides."""
     choice = envs.attention_backend()
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "reference"
     if choice == "reference":
         return ReferenceBackend()
+    if choice == "auto" and device.type != "cuda":
+        from radixkv.worker.cpu_attention import CPUBackend
+
+        return CPUBackend()
     from radixkv.worker.triton_backend import TritonBackend
 
     return TritonBackend()
@@ -106,12 +133,11 @@ def paged_attention(
             meta.seq_lens, scale,
         )
     decode_out = backend.paged_decode(
-        query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-        meta.seq_lens[:num_decodes], scale,
+        query[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
+        meta.decode_seq_lens, scale,
     )
     prefill_out = backend.paged_prefill(
-        query[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:],
-        meta.query_start_loc[num_decodes:] - meta.query_start_loc[num_decodes],
-        meta.seq_lens[num_decodes:], scale,
+        query[num_decodes:], k_cache, v_cache, meta.prefill_block_tables,
+        meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
     )
     return torch.cat([decode_out, prefill_out], dim=0)

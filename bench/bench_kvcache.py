@@ -160,7 +160,7 @@ def replay(
     start = time.perf_counter()
     cpu_start = time.process_time()
     while waiting or running:
-        while waiting:
+        while waiting and len(running) < max_running:
             index = waiting[0]
             request = requests[index]
             group_size = len(request.outputs)

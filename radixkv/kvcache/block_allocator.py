@@ -43,10 +43,6 @@ class BlockAllocator:
         All or nothing: returns None and changes nothing when fewer blocks are free.
         """
         free = self._free
-        if num_blocks == 1 and free:
-            block_id = free.pop()
-            self._refcounts[block_id] = 1
-            return [block_id]
         if num_blocks > len(free):
             return None
         if num_blocks <= 0:
@@ -60,6 +56,15 @@ class BlockAllocator:
         for block_id in block_ids:
             refcounts[block_id] = 1
         return block_ids
+
+    def allocate_one(self) -> BlockId | None:
+        """`allocate(1)` without the list: the block, or None when none is free."""
+        free = self._free
+        if not free:
+            return None
+        block_id = free.pop()
+        self._refcounts[block_id] = 1
+        return block_id
 
     def incref(self, block_id: BlockId) -> None:
         """Add a holder. Raises BlockRefcountError if the block is free."""

@@ -430,17 +430,28 @@ class KVCacheManager:
         new_len = seq.num_tokens + num_tokens
         num_new = -(-new_len // bs) - len(table)
         if seq.writable_len == len(table) * bs:  # nothing shared: new blocks only
-            new = self.allocator.allocate(num_new)
-            if new is None:
-                if not self._evict_for(num_new):
-                    return None
+            if num_new == 1:  # decoding: one block every block_size tokens
+                block_id = self.allocator.allocate_one()
+                if block_id is None:
+                    if not self._evict_for(1):
+                        return None
+                    block_id = self.allocator.allocate_one()
+                    assert block_id is not None
+                table.append(block_id)
+                new_ids: tuple[BlockId, ...] = (block_id,)
+            else:
                 new = self.allocator.allocate(num_new)
-                assert new is not None
-            table.extend(new)
+                if new is None:
+                    if not self._evict_for(num_new):
+                        return None
+                    new = self.allocator.allocate(num_new)
+                    assert new is not None
+                table.extend(new)
+                new_ids = tuple(new)
             seq.num_tokens = new_len
             seq.writable_len = len(table) * bs
             # tuple.__new__ skips the NamedTuple constructor's Python frame (a hot path)
-            return tuple.__new__(Growth, (tuple(new), (), ())) if new else NO_GROWTH
+            return tuple.__new__(Growth, (new_ids, (), ()))
         return self._grow_forked(seq, new_len, max(0, num_new))
 
     def _grow_forked(self, seq: SequenceBlocks, new_len: int, num_new: int) -> Growth | None:

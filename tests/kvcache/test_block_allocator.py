@@ -112,3 +112,12 @@ def test_release_all_frees_blocks_held_once_in_order() -> None:
         allocator.release_all(b(1))
     with pytest.raises(BlockRefcountError, match="refcount 0"):
         allocator.release_all(b(3))
+
+
+def test_allocate_one() -> None:
+    allocator = BlockAllocator(2)
+    assert allocator.allocate_one() == 0
+    assert allocator.allocate_one() == 1
+    assert allocator.allocate_one() is None
+    assert allocator.refcount(BlockId(1)) == 1
+    allocator.check_invariants()

@@ -17,9 +17,11 @@ from radixkv.kvcache.errors import (
 from radixkv.kvcache.eviction import LRUOrder
 from radixkv.kvcache.growth import NO_GROWTH, Growth
 from radixkv.kvcache.ids import BlockCopy, BlockId, Salt, SeqId
+from radixkv.kvcache.insert_result import InsertResult
 from radixkv.kvcache.manager import KVCacheManager
+from radixkv.kvcache.prefix_match import PrefixMatch
 from radixkv.kvcache.radix_node import RadixNode
-from radixkv.kvcache.radix_tree import InsertResult, PrefixMatch, RadixTree
+from radixkv.kvcache.radix_tree import RadixTree
 from radixkv.kvcache.stats import KVCacheStats
 
 __all__ = [

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 from radixkv.kvcache.ids import BlockId, SeqId
 from radixkv.kvcache.radix_node import RadixNode
 from radixkv.kvcache.sequence_blocks import SequenceBlocks
+from radixkv.kvcache.token_key import TOKEN_BYTES
 
 if TYPE_CHECKING:
     from radixkv.kvcache.manager import KVCacheManager
+    from radixkv.kvcache.radix_tree import RadixTree
 
 
 def check_manager_invariants(
@@ -87,3 +89,51 @@ def check_manager_invariants(
         f"free {num_free} + cached {num_cached} + referenced {len(referenced)}"
         f" != {manager.num_blocks}"
     )
+
+
+def check_tree_invariants(tree: RadixTree) -> None:
+    """See `RadixTree.check_invariants`. O(tree size)."""
+    bs, bb = tree.block_size, tree.block_size * TOKEN_BYTES
+    seen: set[BlockId] = set()
+    num_blocks = num_evictable = 0
+    leaves = set()
+    for salt in tree.salts():
+        root = tree.root(salt)
+        assert root is not None and root.parent is None and not root.tokens and not root.block_ids
+        assert root.lock_count == 0, f"root of salt {salt!r} is locked"
+        for node in tree.nodes(salt):
+            where = f"salt {salt!r} node {node!r}"
+            parent = node.parent
+            assert parent is not None and parent.children.get(node.key) is node, where
+            assert node.tokens and node.key == node.tokens[:bb], f"{where}: bad key"
+            assert len(node.tokens) % TOKEN_BYTES == 0, f"{where}: torn token"
+            assert node.start == parent.end, f"{where}: starts at {node.start}"
+            assert node.start % bs == 0, f"{where}: not at a block boundary"
+            num_node_blocks = -(-len(node.tokens) // bb)
+            assert len(node.block_ids) == num_node_blocks, f"{where}: tokens vs blocks"
+            assert len(node.tokens) % bb == 0 or not node.children, (
+                f"{where}: a partial block that is not a leaf's tail"
+            )
+            for block_id in node.block_ids:
+                assert block_id not in seen, f"{where}: block {block_id} held twice"
+                assert tree.refcount(block_id) >= 1, f"{where}: block freed"
+                seen.add(block_id)
+            child_locks = sum(child.lock_count for child in node.children.values())
+            assert node.lock_count >= child_locks, f"{where}: fewer locks than children"
+            assert node.child_keys == sorted(node.children), f"{where}: child_keys"
+            num_partial = sum(1 for key in node.children if len(key) < bb)
+            assert node.num_partial_children == num_partial, f"{where}: partial count"
+            num_blocks += len(node.block_ids)
+            if node.lock_count == 0:
+                num_evictable += len(node.block_ids)
+                if not node.children:
+                    leaves.add(id(node))
+            assert node.stamp <= tree.clock, f"{where}: stamp from the future"
+    assert num_blocks == tree.num_blocks, f"tree holds {num_blocks}, counted {tree.num_blocks}"
+    assert num_evictable == tree.num_evictable_blocks, (
+        f"unlocked nodes hold {num_evictable} blocks, counted {tree.num_evictable_blocks}"
+    )
+    in_lru = {id(node) for node in tree.lru_order()}
+    assert in_lru == leaves, "the LRU order is not exactly the unlocked leaves"
+    for stamp, node in tree.lru_items():
+        assert stamp == node.stamp, f"{node!r} is in the LRU order under stamp {stamp}"

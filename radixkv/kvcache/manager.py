@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 from radixkv.kvcache.admission import Admission
@@ -11,7 +10,6 @@ from radixkv.kvcache.errors import InvalidTokensError, SequenceExistsError, Unkn
 from radixkv.kvcache.growth import NO_GROWTH, Growth
 from radixkv.kvcache.ids import BlockCopy, BlockId, Salt, SeqId
 from radixkv.kvcache.invariants import check_manager_invariants
-from radixkv.kvcache.radix_node import RadixNode
 from radixkv.kvcache.radix_tree import InsertResult, RadixTree
 from radixkv.kvcache.sequence_blocks import SequenceBlocks
 from radixkv.kvcache.stats import KVCacheStats
@@ -210,8 +208,10 @@ class KVCacheManager:
         `token_ids` are the tokens whose KV is computed (a prefix of the sequence's tokens);
         a partial tail block is not inserted (it is still being written). Where the tree
         already held those tokens in other blocks, the sequence switches to the tree's blocks
-        (incref) and releases its own (decref). Its lock moves down to the deepest node
-        holding its tokens. Returns the (logical index, new block id) table replacements.
+        and releases its own (decref). Its lock moves down to the deepest node holding its
+        tokens, and it holds every inserted block through that lock from then on (the tree
+        takes over its references). Returns the (logical index, new block id) table
+        replacements.
         No-op returning [] with prefix caching off. Raises UnknownSequenceError,
         InvalidTokensError if token_ids is longer than the sequence.
         """
@@ -260,9 +260,9 @@ class KVCacheManager:
         num_tokens = len(token_ids) if token_ids is not None else 0
         del self._seqs[seq_id]
         tree = self.tree
-        start = _resume_point(seq, self.block_size, num_tokens)
+        start = seq.resume_point(self.block_size, num_tokens)
         if seq.lock_node is not None:
-            tree.unlock(seq.lock_node, _uses_lock_node(seq, self.block_size))
+            tree.unlock(seq.lock_node, seq.uses_lock_node(self.block_size))
         table = seq.block_ids
         own = table[seq.num_cached_blocks :]  # the rest it holds through its lock
         if token_ids and self.enable_prefix_caching:
@@ -348,7 +348,7 @@ class KVCacheManager:
         num_known = len(key) // TOKEN_BYTES
         if num_tokens <= num_known:
             return key if num_tokens == num_known else key[: num_tokens * TOKEN_BYTES]
-        _check_extends(seq, token_ids)
+        seq.check_extends(token_ids)
         seq.key = key = key + encode_tokens(token_ids[num_known:num_tokens])
         return key
 
@@ -360,7 +360,7 @@ class KVCacheManager:
         num_known = len(key) // TOKEN_BYTES
         if end <= num_known:
             return key[start * TOKEN_BYTES : end * TOKEN_BYTES]
-        _check_extends(seq, token_ids)
+        seq.check_extends(token_ids)
         if start >= num_known:
             return encode_tokens(token_ids[start:end])
         return key[start * TOKEN_BYTES :] + encode_tokens(token_ids[num_known:end])
@@ -373,9 +373,9 @@ class KVCacheManager:
         """
         tree = self.tree
         old = seq.lock_node
-        start = _resume_point(seq, self.block_size, len(key) // TOKEN_BYTES)
+        start = seq.resume_point(self.block_size, len(key) // TOKEN_BYTES)
         if old is not None:
-            tree.unlock(old, _uses_lock_node(seq, self.block_size))
+            tree.unlock(old, seq.uses_lock_node(self.block_size))
         if start is None:
             result = tree.insert_key(key, block_ids, seq.salt, None, transfer=True)
         else:
@@ -389,7 +389,7 @@ class KVCacheManager:
             )
         node = result.node
         if old is not None and old.parent is not None and (
-            node is None or _is_descendant(old, node)
+            node is None or old.is_below(node)
         ):
             node = old  # a relative's insertion already took us deeper on this path
         if node is not None:
@@ -413,11 +413,11 @@ class KVCacheManager:
             if not any(a == b for a, b in zip(theirs, taken, strict=False)):
                 continue
             old = relative.lock_node
-            if old is not None and _is_descendant(old, node):
+            if old is not None and old.is_below(node):
                 continue
             tree.lock(node)
             if old is not None:
-                tree.unlock(old, _uses_lock_node(relative, self.block_size))
+                tree.unlock(old, relative.uses_lock_node(self.block_size))
             relative.lock_node = node
 
     def _grow_slow(self, seq: SequenceBlocks, num_tokens: int) -> Growth | None:
@@ -495,56 +495,3 @@ class KVCacheManager:
             return False
         self.tree.evict(max(num_blocks - num_free, self._eviction_batch))
         return True
-
-
-def _check_extends(seq: SequenceBlocks, token_ids: Sequence[int]) -> None:
-    """A cheap guard: the tokens the sequence was admitted with must start `token_ids` (only
-    the last known one is compared)."""
-    num_known = len(seq.key) // TOKEN_BYTES
-    if num_known:
-        last_known = int.from_bytes(seq.key[-TOKEN_BYTES:], sys.byteorder)
-        if token_ids[num_known - 1] != last_known:
-            raise InvalidTokensError(
-                f"token_ids[{num_known - 1}] is {token_ids[num_known - 1]}, but this sequence"
-                f" has token {last_known} there: pass the sequence's own tokens"
-            )
-
-
-def _is_descendant(node: RadixNode | None, ancestor: RadixNode) -> bool:
-    while node is not None:
-        if node is ancestor:
-            return True
-        node = node.parent
-    return False
-
-
-def _uses_lock_node(seq: SequenceBlocks, block_size: int) -> bool:
-    """False when the sequence's lock node holds none of its blocks: it was locked only as
-    the copy-on-write source of the sequence's first uncached block, so releasing it is no
-    reason to keep it cached longer."""
-    node = seq.lock_node
-    if node is None:
-        return True
-    index = node.start // block_size
-    return index < len(seq.block_ids) and seq.block_ids[index] == node.block_ids[0]
-
-
-def _resume_point(seq: SequenceBlocks, block_size: int, num_tokens: int) -> RadixNode | None:
-    """Where inserting the sequence's first `num_tokens` tokens may start instead of the root:
-    the node on its lock path ending right after its cached blocks, if that node's last block
-    is the sequence's own (then the node's path spells the sequence's tokens)."""
-    num_cached = seq.num_cached_blocks
-    node = seq.lock_node
-    boundary = num_cached * block_size
-    if num_cached == 0 or node is None or boundary > num_tokens:
-        return None
-    if node.start == boundary:  # locked for a copy-on-write source hanging at the boundary
-        node = node.parent
-    if (
-        node is None
-        or node.parent is None
-        or node.start + len(node.tokens) // TOKEN_BYTES != boundary
-        or node.block_ids[-1] != seq.block_ids[num_cached - 1]
-    ):
-        return None
-    return node

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from radixkv.kvcache.ids import BlockId
-from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, decode_tokens
+from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, common_prefix_tokens, decode_tokens
 
 
 class RadixNode:
@@ -75,6 +77,39 @@ class RadixNode:
     @property
     def token_ids(self) -> tuple[int, ...]:
         return decode_tokens(self.tokens)
+
+    def child_sharing_longest_prefix(self, query: TokenKey) -> tuple[RadixNode, int]:
+        """The child whose first block shares the most leading tokens with `query`, and how
+        many; on a tie `copy_source` if it is one of them. The node must have children.
+
+        Only the two keys around the query's bisection point can share the longest prefix.
+        """
+        keys = self.child_keys
+        index = bisect_left(keys, query)
+        neighbours = keys[max(0, index - 1) : index + 1]
+        preferred = self.copy_source
+        if preferred is not None and preferred.parent is self:
+            best = common_prefix_tokens(query, preferred.key)
+            longer = query[: (best + 1) * TOKEN_BYTES]
+            if len(longer) == len(query) or not (
+                neighbours[0].startswith(longer) or neighbours[-1].startswith(longer)
+            ):
+                return preferred, best  # no child shares more
+        best_key, best = neighbours[0], common_prefix_tokens(query, neighbours[0])
+        if len(neighbours) == 2:
+            common = common_prefix_tokens(query, neighbours[1])
+            if common > best:
+                best_key, best = neighbours[1], common
+        return self.children[best_key], best
+
+    def is_below(self, ancestor: RadixNode) -> bool:
+        """True if `ancestor` is this node or on its path to the root."""
+        node: RadixNode | None = self
+        while node is not None:
+            if node is ancestor:
+                return True
+            node = node.parent
+        return False
 
     def path(self) -> list[RadixNode]:
         """Nodes from the root's child down to this one (empty for a root or removed node)."""

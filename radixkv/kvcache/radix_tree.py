@@ -4,52 +4,22 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 from radixkv.kvcache.block_allocator import BlockAllocator
 from radixkv.kvcache.errors import InvalidTokensError
 from radixkv.kvcache.eviction import LRUOrder
 from radixkv.kvcache.ids import BlockId, Salt
+from radixkv.kvcache.insert_result import InsertResult
+from radixkv.kvcache.invariants import check_tree_invariants
+from radixkv.kvcache.prefix_match import PrefixMatch
 from radixkv.kvcache.radix_node import RadixNode
-from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, common_prefix_tokens, encode_tokens
-
-
-class PrefixMatch(NamedTuple):
-    """The longest cached prefix of a query, token-granular.
-
-        query       | q0 .. q15 | q16 .. q31 | q32 q33 q34 x ...
-        tree        | b7        | b2         | b9: q32 q33 q34 y ...
-        match       block_ids=[b7, b2], partial_block_id=b9, num_partial_tokens=3
-
-    The caller shares `block_ids` as they are and copies `partial_block_id` into a fresh block
-    (copy-on-write), then computes from token `num_tokens` on. `node` is the deepest node whose
-    blocks the match uses (the partial block's node included) and `num_node_blocks` how many
-    of its leading blocks it uses: `lock_prefix(node, num_node_blocks)` while they are in use.
-    """
-
-    block_ids: list[BlockId]
-    partial_block_id: BlockId | None
-    num_partial_tokens: int
-    num_tokens: int
-    node: RadixNode | None
-    num_node_blocks: int
-
-
-class InsertResult(NamedTuple):
-    """What `insert` did with a caller's blocks.
-
-    `node` is the deepest node holding the caller's tokens (lock it), None when none are held.
-    The tree now holds the caller's first `num_blocks` blocks on the path to `node`: its own
-    ids, except `duplicates` (logical index, tree block id) where the tree already held the
-    same tokens in another block; the last `num_new_blocks` of them are the caller's blocks
-    that the tree took (one incref each), all in `node`.
-    """
-
-    node: RadixNode | None
-    num_blocks: int
-    num_new_blocks: int
-    duplicates: list[tuple[int, BlockId]]
-
+from radixkv.kvcache.token_key import (
+    TOKEN_BYTES,
+    TokenKey,
+    common_prefix_tokens,
+    encode_tokens,
+    num_equal_blocks,
+)
 
 _NO_MATCH = PrefixMatch([], None, 0, 0, None, 0)
 
@@ -132,7 +102,7 @@ class RadixTree:
                 query = key[pos:n]
                 child = None
             if child is None:
-                child, num_common = _longest_common_child(node, query)
+                child, num_common = node.child_sharing_longest_prefix(query)
                 if num_common:
                     return PrefixMatch(
                         block_ids, child.block_ids[0], num_common,
@@ -155,7 +125,7 @@ class RadixTree:
                     // TOKEN_BYTES, (pos + child_len) // TOKEN_BYTES, child, num_full + 1,
                 )
             # the match ends inside `child`
-            num_equal = _num_equal_blocks(key, pos, n, child_tokens, bb)
+            num_equal = num_equal_blocks(key, pos, n, child_tokens, bb)
             block_ids.extend(child.block_ids[:num_equal])
             offset = num_equal * bb
             pos += offset
@@ -261,7 +231,7 @@ class RadixTree:
                 node = deepest = child
                 pos += child_len
                 continue
-            num_equal = _num_equal_blocks(key, pos, n, child_tokens, bb)
+            num_equal = num_equal_blocks(key, pos, n, child_tokens, bb)
             _note_duplicates(
                 child.block_ids[:num_equal], block_ids, first, base_block, duplicates
             )
@@ -390,50 +360,20 @@ class RadixTree:
 
     def check_invariants(self) -> None:
         """Shape, keys, counts and the LRU set; raises AssertionError naming the first break."""
-        bs, bb = self.block_size, self._block_bytes
-        seen: set[BlockId] = set()
-        num_blocks = num_evictable = 0
-        leaves = set()
-        for salt in self._roots:
-            root = self._roots[salt]
-            assert root.parent is None and not root.tokens and not root.block_ids
-            assert root.lock_count == 0, f"root of salt {salt!r} is locked"
-            for node in self.nodes(salt):
-                where = f"salt {salt!r} node {node!r}"
-                parent = node.parent
-                assert parent is not None and parent.children.get(node.key) is node, where
-                assert node.tokens and node.key == node.tokens[:bb], f"{where}: bad key"
-                assert len(node.tokens) % TOKEN_BYTES == 0, f"{where}: torn token"
-                assert node.start == parent.end, f"{where}: starts at {node.start}"
-                assert node.start % bs == 0, f"{where}: not at a block boundary"
-                num_node_blocks = -(-len(node.tokens) // bb)
-                assert len(node.block_ids) == num_node_blocks, f"{where}: tokens vs blocks"
-                assert len(node.tokens) % bb == 0 or not node.children, (
-                    f"{where}: a partial block that is not a leaf's tail"
-                )
-                for block_id in node.block_ids:
-                    assert block_id not in seen, f"{where}: block {block_id} held twice"
-                    assert self._allocator.refcount(block_id) >= 1, f"{where}: block freed"
-                    seen.add(block_id)
-                child_locks = sum(child.lock_count for child in node.children.values())
-                assert node.lock_count >= child_locks, f"{where}: fewer locks than children"
-                assert node.child_keys == sorted(node.children), f"{where}: child_keys"
-                num_partial = sum(1 for key in node.children if len(key) < bb)
-                assert node.num_partial_children == num_partial, f"{where}: partial count"
-                num_blocks += len(node.block_ids)
-                if node.lock_count == 0:
-                    num_evictable += len(node.block_ids)
-                    if not node.children:
-                        leaves.add(id(node))
-                assert node.stamp <= self._clock, f"{where}: stamp from the future"
-        assert num_blocks == self.num_blocks, f"tree holds {num_blocks}, counted {self.num_blocks}"
-        assert num_evictable == self.num_evictable_blocks, (
-            f"unlocked nodes hold {num_evictable} blocks, counted {self.num_evictable_blocks}"
-        )
-        in_lru = {id(node) for node in self._lru.values()}
-        assert in_lru == leaves, "the LRU order is not exactly the unlocked leaves"
-        for stamp, node in self._lru.items():
-            assert stamp == node.stamp, f"{node!r} is in the LRU order under stamp {stamp}"
+        check_tree_invariants(self)
+
+    def lru_items(self) -> list[tuple[int, RadixNode]]:
+        """(stamp, leaf) of the evictable leaves, least recently used first."""
+        return list(self._lru.items())
+
+    @property
+    def clock(self) -> int:
+        """The last stamp handed out."""
+        return self._clock
+
+    def refcount(self, block_id: BlockId) -> int:
+        """The allocator's count for a block (for invariant checks)."""
+        return self._allocator.refcount(block_id)
 
     # --------------------------------------------------------------------------- helpers
 
@@ -547,46 +487,6 @@ class RadixTree:
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
             self._lru[parent.stamp] = parent
         return num_freed
-
-
-def _num_equal_blocks(key: TokenKey, pos: int, end: int, node_tokens: TokenKey, bb: int) -> int:
-    """How many leading full blocks (of `bb` bytes) of `node_tokens` equal `key[pos:end]`,
-    the first being known equal. Binary search: prefix equality is monotone in length."""
-    low = 1
-    high = min(len(node_tokens), end - pos) // bb
-    while low < high:
-        mid = (low + high + 1) // 2
-        size = mid * bb
-        if key[pos : pos + size] == node_tokens[:size]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-def _longest_common_child(node: RadixNode, query: TokenKey) -> tuple[RadixNode, int]:
-    """The child whose first block shares the most leading tokens with `query`, and how many;
-    on a tie the node's `copy_source` if it is one of them.
-
-    Only the two keys around the query's bisection point can share the longest prefix.
-    """
-    keys = node.child_keys
-    index = bisect_left(keys, query)
-    neighbours = keys[max(0, index - 1) : index + 1]
-    preferred = node.copy_source
-    if preferred is not None and preferred.parent is node:
-        best = common_prefix_tokens(query, preferred.key)
-        longer = query[: (best + 1) * TOKEN_BYTES]
-        if len(longer) == len(query) or not (
-            neighbours[0].startswith(longer) or neighbours[-1].startswith(longer)
-        ):
-            return preferred, best  # no child shares more
-    best_key, best = neighbours[0], common_prefix_tokens(query, neighbours[0])
-    if len(neighbours) == 2:
-        common = common_prefix_tokens(query, neighbours[1])
-        if common > best:
-            best_key, best = neighbours[1], common
-    return node.children[best_key], best
 
 
 def _remove_key(keys: list[TokenKey], key: TokenKey) -> None:

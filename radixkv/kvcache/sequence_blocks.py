@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
+from radixkv.kvcache.errors import InvalidTokensError
 from radixkv.kvcache.ids import BlockId, Salt, SeqId
 from radixkv.kvcache.radix_node import RadixNode
-from radixkv.kvcache.token_key import TokenKey
+from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey
 
 
 class SequenceBlocks:
@@ -50,3 +54,45 @@ class SequenceBlocks:
         self.num_cached_blocks = num_cached_blocks
         self.key = key
         self.family = family
+
+    def check_extends(self, token_ids: Sequence[int]) -> None:
+        """A cheap guard that `token_ids` starts with the tokens this sequence has packed (only
+        the last of them is compared). Raises InvalidTokensError."""
+        num_known = len(self.key) // TOKEN_BYTES
+        if num_known:
+            last_known = int.from_bytes(self.key[-TOKEN_BYTES:], sys.byteorder)
+            if token_ids[num_known - 1] != last_known:
+                raise InvalidTokensError(
+                    f"token_ids[{num_known - 1}] is {token_ids[num_known - 1]}, but this"
+                    f" sequence has token {last_known} there: pass the sequence's own tokens"
+                )
+
+    def uses_lock_node(self, block_size: int) -> bool:
+        """False when its lock node holds none of its blocks: it was locked only as the
+        copy-on-write source of its first uncached block, so releasing it is no reason to
+        keep it cached longer."""
+        node = self.lock_node
+        if node is None:
+            return True
+        index = node.start // block_size
+        return index < len(self.block_ids) and self.block_ids[index] == node.block_ids[0]
+
+    def resume_point(self, block_size: int, num_tokens: int) -> RadixNode | None:
+        """Where inserting its first `num_tokens` tokens may start instead of the root: the
+        node on its lock path ending right after its cached blocks, if that node's last block
+        is its own (then the node's path spells its tokens)."""
+        num_cached = self.num_cached_blocks
+        node = self.lock_node
+        boundary = num_cached * block_size
+        if num_cached == 0 or node is None or boundary > num_tokens:
+            return None
+        if node.start == boundary:  # locked for a copy-on-write source at the boundary
+            node = node.parent
+        if (
+            node is None
+            or node.parent is None
+            or node.start + len(node.tokens) // TOKEN_BYTES != boundary
+            or node.block_ids[-1] != self.block_ids[num_cached - 1]
+        ):
+            return None
+        return node

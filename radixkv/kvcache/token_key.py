@@ -52,3 +52,18 @@ def common_prefix_tokens(a: TokenKey, b: TokenKey) -> int:
     if not diff:
         return size // TOKEN_BYTES
     return ((diff & -diff).bit_length() - 1) // (8 * TOKEN_BYTES)
+
+
+def num_equal_blocks(key: TokenKey, pos: int, end: int, node_tokens: TokenKey, bb: int) -> int:
+    """How many leading full blocks (of `bb` bytes) of `node_tokens` equal `key[pos:end]`,
+    the first being known equal. Binary search: prefix equality is monotone in length."""
+    low = 1
+    high = min(len(node_tokens), end - pos) // bb
+    while low < high:
+        mid = (low + high + 1) // 2
+        size = mid * bb
+        if key[pos : pos + size] == node_tokens[:size]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

@@ -125,7 +125,7 @@ class StepRecord:
 @dataclass
 class Simulation:
     records: list[StepRecord]
-    hit_rate: float
+    hit_rate: float  # cached prompt tokens / prompt tokens, as servers report them in usage
     num_preemptions: int
     num_requests: int
 
@@ -171,12 +171,15 @@ def simulate(
         submit(next_chain, 0)
         next_chain += 1
     records = []
+    cached_tokens = prompt_tokens = 0
     while scheduler.has_work:
         for output in scheduler.step(execute):
             if output.error is not None:
                 raise RuntimeError(f"request {output.request_id} failed: {output.error}")
             if not output.finished:
                 continue
+            cached_tokens += output.num_cached_tokens
+            prompt_tokens += output.num_prompt_tokens
             chain, turn = pending.pop(output.request_id)
             if turn + 1 < len(chains[chain]):
                 submit(chain, turn + 1)
@@ -184,8 +187,8 @@ def simulate(
                 submit(next_chain, 0)
                 next_chain += 1
         records.append(_record(scheduler, kv, context_len, reserve))
-    return Simulation(records, kv.stats().hit_rate, scheduler.num_preemptions,
-                      len(workload.requests))
+    hit_rate = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+    return Simulation(records, hit_rate, scheduler.num_preemptions, len(workload.requests))
 
 
 def _record(scheduler: Scheduler, kv: KVCacheManager, context_len: int,

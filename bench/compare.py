@@ -193,10 +193,16 @@ def run_server_system(
     log_path = log_dir / f"server_{name}_c{concurrency}.log"
     with radixkv_server(args.model, server_args(args, concurrency, width, prefix_cache),
                         log_path) as base_url:
-        model_name = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-        options = ClientOptions(base_url=base_url, model=model_name, endpoint=args.endpoint,
-                                concurrency=concurrency, seed=workload.config.seed)
-        result = asyncio.run(run_benchmark(workload, options))
+        return measure_server(base_url, workload, concurrency, args.endpoint)
+
+
+def measure_server(base_url: str, workload: Workload, concurrency: int,
+                   endpoint: str = "chat") -> dict[str, Any]:
+    """The serving client's summary of one run, with the server's KV report (no timeline)."""
+    model_name = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    options = ClientOptions(base_url=base_url, model=model_name, endpoint=endpoint,
+                            concurrency=concurrency, seed=workload.config.seed)
+    result = asyncio.run(run_benchmark(workload, options))
     if "skipped" in result:
         raise RuntimeError(result["skipped"])
     summary = dict(result["summary"])

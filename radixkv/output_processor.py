@@ -71,11 +71,16 @@ class RequestTracker:
         self.finished = False
         self.error: str | None = None
         self.error_rejected = False
+        self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
         self.aborted_by_stop_string = False
 
     def apply(self, out: RequestOutput) -> list[TextDelta]:
         """Fold one RequestOutput in; returns the text deltas to stream."""
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_top_logprobs = out.prompt_top_logprobs or []
         if out.error is not None:
             self.error = out.error
             self.error_rejected = out.error_kind == "rejected"
@@ -185,7 +190,19 @@ class RequestTracker:
             num_cached_tokens=self.num_cached_tokens,
             outputs=outputs,
             finished=self.finished,
+            prompt_logprobs=self._prompt_logprob_dicts(),
         )
+
+    def _prompt_logprob_dicts(self) -> list[dict[int, float] | None] | None:
+        if self.prompt_logprobs is None:
+            return None
+        entries: list[dict[int, float] | None] = [None]
+        for i, logprob in enumerate(self.prompt_logprobs):
+            entry = {int(t): float(lp) for t, lp in self.prompt_top_logprobs[i]} if (
+                i < len(self.prompt_top_logprobs)) else {}
+            entry[self.prompt_token_ids[i + 1]] = logprob
+            entries.append(entry)
+        return entries
 
 
 def _as_dicts(stream: _Stream) -> list[dict[int, float]]:

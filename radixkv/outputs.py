@@ -28,3 +28,6 @@ class RequestResult:
     num_cached_tokens: int
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: per prompt token, {token id: logprob} for the
+    # token itself and the top alternatives; None for the first token (nothing predicts it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -21,7 +21,9 @@ class SamplingParams:
     cumulative logprob kept. temperature 0 is greedy. top_k 0 (or -1 style values are not
     accepted) means no top-k limit. `seed` fixes every random choice of the request: the
     same seed gives the same tokens whatever else shares the batch. `logprobs` asks for the
-    chosen token's logprob plus that many top alternatives per generated token.
+    chosen token's logprob plus that many top alternatives per generated token;
+    `prompt_logprobs` the same for every prompt token after the first, cached ones included
+    (they are recomputed for their logits; their shared K/V is left untouched).
     """
 
     n: int = 1
@@ -39,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -85,12 +88,12 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise SamplingParamsError("stop strings must be non-empty strings", "stop")
-        if self.logprobs is not None:
-            _check_int(self.logprobs, "logprobs", minimum=0)
-            if self.logprobs > 20:
-                raise SamplingParamsError(
-                    f"logprobs must be at most 20, got {self.logprobs}", "logprobs"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(value, name, minimum=0)
+                if value > 20:
+                    raise SamplingParamsError(f"{name} must be at most 20, got {value}", name)
 
     @property
     def num_sequences(self) -> int:

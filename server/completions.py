@@ -6,6 +6,7 @@ Each prompt is its own engine request; choices are numbered prompt-major, as Ope
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -62,20 +63,41 @@ class _CompletionRun:
             for p in range(len(submission.prompts))
             for i in range(self.n)
         }
+        self.echoed: set[int] = set()
 
-    def echo_pieces(self) -> list[CompletionChoice]:
-        """With echo, every choice starts with its prompt (prompt logprobs are null)."""
-        if not self.body.echo:
-            return []
+    def echo_pieces(self, prompt_index: int) -> list[CompletionChoice]:
+        """With echo, every choice of a prompt starts with that prompt (and, with logprobs,
+        the prompt tokens' logprobs, which the engine computes, cached tokens included)."""
+        self.echoed.add(prompt_index)
+        prompt = self.submission.prompts[prompt_index]
+        text = prompt.text
+        if text is None:
+            text = self.state.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
         pieces = []
-        for index, choice in self.choices.items():
-            prompt = self.submission.prompts[index // self.n]
-            text = prompt.text
-            if text is None:
-                text = self.state.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
-            logprobs = choice.logprobs.prompt(prompt.token_ids) if self.want_logprobs else None
+        for i in range(self.n):
+            index = prompt_index * self.n + i
+            logprobs = None
+            if self.want_logprobs:
+                tracker = self.submission.trackers[prompt_index]
+                entries = tracker.result().prompt_logprobs
+                assert entries is not None, "echo with logprobs asks the engine for them"
+                logprobs = self.choices[index].logprobs.prompt(prompt.token_ids, entries)
             pieces.append(self._record(index, text, logprobs, None))
         return pieces
+
+    def pending_echoes(self, prompt_index: int | None) -> list[CompletionChoice]:
+        """Echo pieces due now: all at once without logprobs; with logprobs, a prompt's
+        piece once its first engine output (which carries the prompt logprobs) arrived."""
+        if not self.body.echo:
+            return []
+        if self.want_logprobs:
+            if prompt_index is None or prompt_index in self.echoed:
+                return []
+            return self.echo_pieces(prompt_index)
+        if prompt_index is not None:
+            return []
+        return [piece for p in range(len(self.submission.prompts))
+                for piece in self.echo_pieces(p)]
 
     def pieces(self, prompt_index: int, deltas: list[TextDelta]) -> list[CompletionChoice]:
         pieces = []
@@ -119,8 +141,9 @@ class _CompletionRun:
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
 
     async def collect(self) -> Completion:
-        self.echo_pieces()
+        self.pending_echoes(None)
         async for prompt_index, deltas in self.submission.events():
+            self.pending_echoes(prompt_index)
             self.pieces(prompt_index, deltas)
         return self.final()
 
@@ -129,10 +152,10 @@ class _CompletionRun:
             self.body.stream_options.include_usage
         )
         try:
-            for piece in self.echo_pieces():
+            for piece in self.pending_echoes(None):
                 yield event(self.chunk([piece]))
             async for prompt_index, deltas in self.submission.events():
-                for piece in self.pieces(prompt_index, deltas):
+                for piece in self.pending_echoes(prompt_index) + self.pieces(prompt_index, deltas):
                     yield event(self.chunk([piece]))
             if include_usage:
                 usage_chunk = self.chunk([])
@@ -157,6 +180,10 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         body, max_tokens=max_tokens, logprobs=body.logprobs, best_of=body.best_of,
         eos_token_ids=state.eos_token_ids, limits=limits,
     )
+    if body.echo and body.logprobs is not None and params.sampling is not None:
+        params = dataclasses.replace(
+            params, sampling=dataclasses.replace(params.sampling, prompt_logprobs=body.logprobs)
+        )
     for prompt in prompts:
         limits.check_request(len(prompt.token_ids), params.max_tokens, params.width)
     salt = state.tenancy.cache_salt(tenant, body.cache_salt)

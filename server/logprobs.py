@@ -43,13 +43,23 @@ class CompletionLogprobsBuilder:
         self._offset = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def prompt(self, token_ids: Sequence[int]) -> CompletionLogprobs:
-        """Echoed prompt tokens: the engine computes no prompt logprobs yet, so they are null."""
+    def prompt(
+        self, token_ids: Sequence[int], logprobs: Sequence[dict[int, float] | None]
+    ) -> CompletionLogprobs:
+        """Echoed prompt tokens; `logprobs[i]` maps token ids to logprobs (the token itself
+        and its top alternatives), None for the first token, which nothing predicts."""
         part = CompletionLogprobs()
-        for token_id in token_ids:
-            part.tokens.append(token_text(self._tokenizer, token_id))
-            part.token_logprobs.append(None)
-            part.top_logprobs.append(None)
+        for token_id, entry in zip(token_ids, logprobs, strict=True):
+            text = token_text(self._tokenizer, token_id)
+            part.tokens.append(text)
+            if entry is None:
+                part.token_logprobs.append(None)
+                part.top_logprobs.append(None)
+            else:
+                part.token_logprobs.append(finite(entry[token_id]))
+                part.top_logprobs.append(
+                    {token_text(self._tokenizer, t): finite(lp) for t, lp in entry.items()}
+                )
             part.text_offset.append(self._advance(token_id))
         return part
 

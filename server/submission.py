@@ -24,9 +24,6 @@ from radixkv.server.metrics import ServerMetrics
 from radixkv.server.openai_types import PromptTokensDetails, Usage
 from radixkv.tokenizer import Tokenizer
 
-# After a request error, how long to wait for an EngineFailure that may be right behind it
-# (a dying engine ends every request with an error, then says it failed).
-
 
 @dataclass(frozen=True)
 class PromptInput:

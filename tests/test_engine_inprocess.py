@@ -220,3 +220,34 @@ def _strip_padding(tokens: list[int]) -> list[int]:
     if EOS in tokens:
         return tokens[: tokens.index(EOS) + 1]
     return tokens
+
+
+def test_prompt_logprobs_equal_transformers_on_cached_prompts(
+    engine: InProcessEngine, tiny_llama_dir: Path
+) -> None:
+    """Prompt logprobs of cached tokens are computed (not skipped) and equal an uncached
+    forward pass of transformers; computing them leaves the shared K/V as it was."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    prompt = SYSTEM + [70, 71, 72]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0]
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), prompt[1:]]
+    top = torch.log_softmax(logits, -1)[:-1].topk(3, dim=-1)
+
+    warm = AddRequest("warm", SYSTEM + [80], sampling=SamplingParams(
+        temperature=0.0, max_tokens=12), eos_token_ids=(EOS,))
+    probe = AddRequest("probe", prompt, sampling=SamplingParams(
+        temperature=0.0, max_tokens=4, prompt_logprobs=3), eos_token_ids=(EOS,))
+    after = AddRequest("after", SYSTEM + [80], sampling=SamplingParams(
+        temperature=0.0, max_tokens=12), eos_token_ids=(EOS,))
+    # One at a time: probe hits warm's prefix, after hits what both left.
+    outputs, _ = engine.run([warm, probe, after], max_num_batched_tokens=64, max_num_seqs=1)
+    first = next(o for o in outputs["probe"] if o.prompt_logprobs is not None)
+    assert first.num_cached_tokens >= len(SYSTEM)
+    torch.testing.assert_close(torch.tensor(first.prompt_logprobs), expected,
+                               atol=1e-4, rtol=1e-4)
+    assert first.prompt_top_logprobs is not None
+    assert [[t for t, _ in row] for row in first.prompt_top_logprobs] == top.indices.tolist()
+    assert streams(outputs["after"]) == streams(outputs["warm"])

@@ -119,6 +119,10 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     error_kind: str | None = None
+    # Prompt logprobs (once, complete): for prompt tokens 1.., their logprob and the top
+    # alternatives as (token id, logprob).
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @record(tag=7)
@@ -234,6 +238,13 @@ class Chunk:
     start_pos: int
     sample: bool
     fanout_seq_ids: list[int] = field(default_factory=list)
+    # Positions before `store_from` already have their K/V in the (shared) pool: they are
+    # computed only for their logits and their new K/V is discarded. None: store all.
+    store_from: int | None = None
+    # Prompt logprobs: the first len(logprob_targets) positions of the chunk report the
+    # logprob of these next tokens, with `num_top_logprobs` alternatives.
+    logprob_targets: list[int] = field(default_factory=list)
+    num_top_logprobs: int = 0
 
 
 @record(tag=24)
@@ -262,9 +273,21 @@ class Sample:
 
 @record(tag=26)
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of the chunk's target tokens (see Chunk.logprob_targets), in order."""
+
+    seq_id: int
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@record(tag=29)
+@dataclass(frozen=True)
 class StepOutput:
     step_id: int
     samples: list[Sample]
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @record(tag=27)

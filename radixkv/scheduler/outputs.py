@@ -66,6 +66,14 @@ def _aborted(request: Request) -> bool:
 
 
 def _message(request: Request, seqs: list[SeqOutput], finished: bool) -> RequestOutput:
+    prompt_logprobs = prompt_top = None
+    wanted = request.sampling is not None and request.sampling.prompt_logprobs is not None
+    if wanted and not request.prompt_logprobs_reported and (
+        request.num_prompt_logprobs_missing == 0
+    ):
+        request.prompt_logprobs_reported = True
+        prompt_logprobs = request.prompt_logprobs
+        prompt_top = request.prompt_top_logprobs
     return RequestOutput(
         request_id=request.request_id,
         seqs=seqs,
@@ -73,4 +81,6 @@ def _message(request: Request, seqs: list[SeqOutput], finished: bool) -> Request
         num_cached_tokens=request.num_cached_tokens,
         finished=finished,
         error=request.error,
+        prompt_logprobs=prompt_logprobs,
+        prompt_top_logprobs=prompt_top,
     )

@@ -46,6 +46,7 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_reported: int = 0
+    store_from: int = 0  # positions before this are recomputed for prompt logprobs only
 
     @property
     def num_output_tokens(self) -> int:
@@ -81,6 +82,10 @@ class Request:
     forked: bool = False
     error: str | None = None
     seed: int = 0
+    # Prompt logprobs gathered so far: entry p is for prompt token p + 1.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs_reported: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -104,6 +109,13 @@ class Request:
     @property
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt logprobs still to compute (0 when none were asked for)."""
+        if self.sampling is None or self.sampling.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_token_ids) - 1 - len(self.prompt_logprobs)
 
     @property
     def pending_fork(self) -> bool:

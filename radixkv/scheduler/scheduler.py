@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 from radixkv import envs
 from radixkv.config import SchedulerConfig, kv_blocks_needed
@@ -23,6 +24,7 @@ from radixkv.ipc.protocol import (
     Chunk,
     EngineStats,
     NewSeq,
+    PromptLogprobs,
     RequestOutput,
     Sample,
     SamplingSpec,
@@ -284,6 +286,11 @@ class Scheduler:
                 return False
             admitted.append(seq)
             seq.num_computed = admission.num_cached_tokens
+            seq.store_from = 0
+            if seq.index == 0 and request.num_prompt_logprobs_missing > 0:
+                # Recompute the cached part for its logits; its shared K/V stays as it is.
+                seq.store_from = admission.num_cached_tokens
+                seq.num_computed = min(seq.num_computed, len(request.prompt_logprobs))
             self._pending_copies.extend(admission.block_copies)
             if not request.admitted:
                 request.num_cached_tokens = admission.num_cached_tokens
@@ -323,7 +330,7 @@ class Scheduler:
 
     def _build_step_input(self) -> StepInput:
         chunks, new_seqs, updates = [], [], []
-        for _request, seq, num_tokens, fanout in self._inflight:
+        for request, seq, num_tokens, fanout in self._inflight:
             start = seq.num_computed
             if not seq.on_worker:
                 new_seqs.append(self._new_seq_message(seq, seq.token_ids[:start]))
@@ -339,6 +346,8 @@ class Scheduler:
                     start_pos=start,
                     sample=start + num_tokens == len(seq.token_ids),
                     fanout_seq_ids=[c.seq_id for c in fanout],
+                    store_from=seq.store_from if seq.store_from > start else None,
+                    **self._prompt_logprob_targets(request, seq, start, num_tokens),
                 )
             )
         drop, self._to_drop = self._to_drop, []
@@ -350,6 +359,22 @@ class Scheduler:
             block_copies=self._pending_copies,
             finished_seq_ids=drop,
         )
+
+    @staticmethod
+    def _prompt_logprob_targets(
+        request: Request, seq: Sequence, start: int, num_tokens: int
+    ) -> dict[str, Any]:
+        """Chunk fields asking for the logprobs of the prompt tokens after this chunk's
+        positions (position p predicts prompt token p + 1)."""
+        last_prompt_pos = len(request.prompt_token_ids) - 1
+        if seq.index != 0 or request.num_prompt_logprobs_missing == 0 or start >= last_prompt_pos:
+            return {}
+        end = min(start + num_tokens, last_prompt_pos)
+        assert request.sampling is not None and request.sampling.prompt_logprobs is not None
+        return {
+            "logprob_targets": request.prompt_token_ids[start + 1 : end + 1],
+            "num_top_logprobs": request.sampling.prompt_logprobs,
+        }
 
     def _new_seq_message(self, seq: Sequence, history: list[int]) -> NewSeq:
         table = list(self.kv.block_ids(seq.seq_id))
@@ -384,9 +409,12 @@ class Scheduler:
     def update(self, output: StepOutput) -> None:
         """Apply the worker's samples to the step that `schedule()` built."""
         samples = {s.seq_id: s for s in output.samples}
+        prompt_logprobs = {p.seq_id: p for p in output.prompt_logprobs}
         touched: dict[str, Request] = {}
         beam_requests: dict[str, Request] = {}
         for request, seq, num_tokens, fanout in self._inflight:
+            if seq.seq_id in prompt_logprobs:
+                _collect_prompt_logprobs(request, seq.num_computed, prompt_logprobs[seq.seq_id])
             seq.num_computed += num_tokens
             for child in fanout:
                 child.num_computed = seq.num_computed
@@ -538,6 +566,19 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             evicted_blocks=kv.evicted_blocks,
         )
+
+
+def _collect_prompt_logprobs(request: Request, start: int, computed: PromptLogprobs) -> None:
+    """Append what a chunk starting at `start` computed, skipping positions already known
+    (a readmission may recompute a few)."""
+    skip = len(request.prompt_logprobs) - start
+    assert skip >= 0, "prompt logprobs must arrive in order"
+    request.prompt_logprobs += computed.logprobs[skip:]
+    request.prompt_top_logprobs += [
+        list(zip(ids, lps, strict=True))
+        for ids, lps in zip(computed.top_token_ids[skip:], computed.top_logprobs[skip:],
+                            strict=True)
+    ]
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -21,6 +21,7 @@ class SeqChunk:
     token_ids: Sequence[int]
     start_pos: int
     block_table: Sequence[int]
+    store_from: int = 0  # positions before this keep the K/V already in the pool
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,12 @@ class ModelInputs:
 
 
 def build_model_inputs(
-    chunks: Sequence[SeqChunk], block_size: int, device: torch.device
+    chunks: Sequence[SeqChunk], block_size: int, device: torch.device,
+    scratch_block: int | None = None,
 ) -> ModelInputs:
-    """Lay chunks out decodes first (as `AttentionMetadata` wants), remembering input order."""
+    """Lay chunks out decodes first (as `AttentionMetadata` wants), remembering input order.
+
+    The K/V of positions before a chunk's `store_from` go to `scratch_block`."""
     if not chunks:
         raise ValueError("a step needs at least one chunk")
     order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
@@ -60,7 +64,11 @@ def build_model_inputs(
         input_ids.extend(chunk.token_ids)
         for pos in range(chunk.start_pos, end_pos):
             positions.append(pos)
-            slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
+            if pos < chunk.store_from:
+                assert scratch_block is not None, "discarded K/V needs a scratch block"
+                slots.append(scratch_block * block_size + pos % block_size)
+            else:
+                slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
         seq_lens.append(end_pos)
         query_start_loc.append(query_start_loc[-1] + num_new)
         last_rows[i] = query_start_loc[-1] - 1

@@ -42,16 +42,22 @@ def num_blocks_for(
 
 
 class KVPool:
-    """`kv_cache` is (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)."""
+    """`kv_cache` is (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim).
+
+    Blocks 0 .. num_blocks - 1 are the scheduler's. The extra last one, `scratch_block`, is
+    never allocated: K/V that must not be stored (recomputed for prompt logprobs over a
+    shared prefix) is written there and never read.
+    """
 
     def __init__(
         self, model_config: ModelConfig, num_blocks: int, block_size: int,
         dtype: torch.dtype, device: torch.device,
     ):
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
         self.block_size = block_size
         self.kv_cache = torch.zeros(
-            model_config.num_layers, 2, num_blocks, block_size,
+            model_config.num_layers, 2, num_blocks + 1, block_size,
             model_config.num_kv_heads, model_config.head_dim,
             dtype=dtype, device=device,
         )

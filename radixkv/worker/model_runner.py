@@ -14,7 +14,15 @@ import torch
 
 from radixkv.checkpoint import Checkpoint
 from radixkv.config import CacheConfig, WorkerConfig
-from radixkv.ipc.protocol import NewSeq, Sample, SamplingSpec, StepInput, StepOutput
+from radixkv.ipc.protocol import (
+    Chunk,
+    NewSeq,
+    PromptLogprobs,
+    Sample,
+    SamplingSpec,
+    StepInput,
+    StepOutput,
+)
 from radixkv.worker.attention import AttentionBackend, select_backend
 from radixkv.worker.batch import SeqChunk, build_model_inputs
 from radixkv.worker.kv_pool import KVPool, num_blocks_for
@@ -22,6 +30,7 @@ from radixkv.worker.loader import load_weights
 from radixkv.worker.models.llama import LlamaForCausalLM
 from radixkv.worker.sampler import Sampler
 
+PROMPT_LOGPROB_ROWS = 256
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -93,9 +102,19 @@ class ModelRunner:
                 f"worker history has {len(state.history)} tokens"
             )
             state.history.extend(chunk.token_ids)
-            seq_chunks.append(SeqChunk(chunk.token_ids, chunk.start_pos, state.block_table))
-        inputs = build_model_inputs(seq_chunks, self.pool.block_size, self.device)
+            store_from = chunk.start_pos if chunk.store_from is None else chunk.store_from
+            seq_chunks.append(
+                SeqChunk(chunk.token_ids, chunk.start_pos, state.block_table, store_from)
+            )
+        inputs = build_model_inputs(
+            seq_chunks, self.pool.block_size, self.device, self.pool.scratch_block
+        )
         hidden = self.model(inputs.input_ids, inputs.positions, self.pool.kv_cache, inputs.meta)
+        prompt_logprobs = [
+            self._prompt_logprobs(chunk, hidden, int(inputs.last_token_rows[i]))
+            for i, chunk in enumerate(step.chunks)
+            if chunk.logprob_targets
+        ]
 
         # (chunk index, seq id) per sampled row; fanout streams reuse their leader's row.
         sampled: list[tuple[int, int]] = []
@@ -104,7 +123,7 @@ class ModelRunner:
                 sampled.append((i, chunk.seq_id))
                 sampled.extend((i, seq_id) for seq_id in chunk.fanout_seq_ids)
         if not sampled:
-            return StepOutput(step_id=step.step_id, samples=[])
+            return StepOutput(step_id=step.step_id, samples=[], prompt_logprobs=prompt_logprobs)
         rows = inputs.last_token_rows[[i for i, _ in sampled]]
         logits = self.model.compute_logits(hidden[rows])
         states = [self.seqs[seq_id] for _, seq_id in sampled]
@@ -124,7 +143,31 @@ class ModelRunner:
             )
             for row, (_, seq_id) in enumerate(sampled)
         ]
-        return StepOutput(step_id=step.step_id, samples=samples)
+        return StepOutput(step_id=step.step_id, samples=samples, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, chunk: Chunk, hidden: torch.Tensor, last_row: int) -> PromptLogprobs:
+        """Logprobs of the next prompt tokens at the chunk's first positions, in slices so
+        a long prompt never holds (prompt_len, vocab) logits at once."""
+        first_row = last_row - len(chunk.token_ids) + 1
+        targets = torch.tensor(chunk.logprob_targets, dtype=torch.int64, device=self.device)
+        k = chunk.num_top_logprobs
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            rows = slice(first_row + start, first_row + min(start + PROMPT_LOGPROB_ROWS,
+                                                             len(targets)))
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            chosen = targets[start : start + lp.shape[0]]
+            logprobs += lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+            if k > 0:
+                values, ids = lp.topk(k, dim=-1)
+                top_ids += ids.tolist()
+                top_lps += values.tolist()
+            else:
+                top_ids += [[] for _ in range(lp.shape[0])]
+                top_lps += [[] for _ in range(lp.shape[0])]
+        return PromptLogprobs(chunk.seq_id, logprobs, top_ids, top_lps)
 
     def _add_seq(self, new_seq: NewSeq) -> None:
         assert new_seq.seq_id not in self.seqs, f"seq {new_seq.seq_id} sent twice"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from radixkv.ipc.protocol import Sample, StepInput, StepOutput
+from radixkv.ipc.protocol import Chunk, PromptLogprobs, Sample, StepInput, StepOutput
 
 VOCAB = 100
 
@@ -31,6 +31,11 @@ def fake_logprobs(
     seed = int.from_bytes(hashlib.blake2b(repr(history).encode(), digest_size=4).digest(), "little")
     logprobs = [-0.1 - i * (0.3 + (seed % 97) / 400.0) for i in range(k)]
     return tokens, logprobs
+
+
+def prompt_logprob(prefix: list[int], target: int) -> float:
+    """The fake model's logprob of `target` after `prefix`."""
+    return -1.0 - next_token(prefix + [target]) / 10.0
 
 
 @dataclass
@@ -67,19 +72,41 @@ class FakeWorker:
         for src, dst in step.block_copies:
             self.blocks[dst] = dict(self.blocks.get(src, {}))
         samples = []
+        prompt_logprobs = []
         for chunk in step.chunks:
             seq = self.seqs[chunk.seq_id]
             assert chunk.start_pos == len(seq.history), "chunk does not continue the history"
+            store_from = chunk.start_pos if chunk.store_from is None else chunk.store_from
             for i, token in enumerate(chunk.token_ids):
                 pos = chunk.start_pos + i
                 block = seq.table[pos // self.block_size]
+                if pos < store_from:  # recomputed for logits: the pool must already hold it
+                    held = self.blocks.get(block, {}).get(pos % self.block_size)
+                    assert held == token, f"position {pos} is not cached as claimed"
+                    continue
                 self.blocks.setdefault(block, {})[pos % self.block_size] = token
+            if chunk.logprob_targets:
+                prompt_logprobs.append(self._prompt_logprobs(seq, chunk))
             seq.history.extend(chunk.token_ids)
             self._check_table(seq)
             if chunk.sample:
                 for seq_id in [chunk.seq_id, *chunk.fanout_seq_ids]:
                     samples.append(self._sample(seq_id, self.seqs[seq_id]))
-        return StepOutput(step_id=step.step_id, samples=samples)
+        return StepOutput(step_id=step.step_id, samples=samples, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(seq: FakeSeq, chunk: Chunk) -> PromptLogprobs:
+        """A pure function of the history up to each position and the target."""
+        history = list(seq.history)
+        logprobs, top_ids, top_lps = [], [], []
+        for i, target in enumerate(chunk.logprob_targets):
+            history.append(chunk.token_ids[i])
+            logprobs.append(prompt_logprob(history, target))
+            ids, lps = fake_logprobs(history, chunk.num_top_logprobs)
+            top_ids.append(ids)
+            top_lps.append(lps)
+        return PromptLogprobs(seq_id=chunk.seq_id, logprobs=logprobs,
+                              top_token_ids=top_ids, top_logprobs=top_lps)
 
     def _check_table(self, seq: FakeSeq) -> None:
         """Every position of the history is what its block holds (no clobbered shared block)."""

@@ -13,7 +13,7 @@ from radixkv.kvcache import KVCacheManager
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import RequestError
 from radixkv.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_worker import FakeWorker, next_token
+from tests.scheduler.fake_worker import FakeWorker, next_token, prompt_logprob
 
 BLOCK = 4
 EOS = 2
@@ -387,3 +387,49 @@ def test_random_workload_matches_the_model_function(seed: int) -> None:
         assert tight[rid] == reference[rid], rid
         if isinstance(params, SamplingParams) and params.temperature == 0:
             assert reference[rid][0] == expected_greedy(prompt, params.max_tokens)
+
+
+def test_prompt_logprobs_cover_cached_tokens_without_rewriting_them() -> None:
+    """A request asking for prompt logprobs gets them for every prompt token, cached ones
+    included: the cached part is recomputed for its logits only (the fake worker asserts
+    that positions before store_from are never written), and the values do not depend on
+    what was cached, how the prompt was chunked, or preemption."""
+    prompt = SYSTEM + [61, 62, 63]
+    expected = [prompt_logprob(prompt[: p + 1], prompt[p + 1]) for p in range(len(prompt) - 1)]
+    params = greedy(max_tokens=4, prompt_logprobs=2)
+    for warm, budget in [(False, 64), (True, 64), (True, 5)]:
+        scheduler, worker = make(max_num_batched_tokens=budget)
+        if warm:
+            add(scheduler, "warm", SYSTEM + [61, 99])
+            run(scheduler, worker)
+        add(scheduler, "p", prompt, params=params)
+        outputs = run(scheduler, worker)["p"]
+        carrying = [o for o in outputs if o.prompt_logprobs is not None]
+        assert len(carrying) == 1 and carrying[0] is outputs[0], "sent once, with the first"
+        assert carrying[0].prompt_logprobs == expected
+        assert carrying[0].prompt_top_logprobs is not None
+        assert all(len(top) == 2 for top in carrying[0].prompt_top_logprobs)
+        if warm:
+            assert outputs[-1].num_cached_tokens == 21
+            discarded = [c for s in worker.steps for c in s.chunks if c.store_from is not None]
+            assert discarded and discarded[0].start_pos == 0 and discarded[0].store_from == 21
+        assert tokens(outputs) == expected_greedy(prompt, 4)
+        assert_all_released(scheduler)
+
+
+def test_prompt_logprobs_survive_preemption() -> None:
+    prompts = {f"r{i}": [20 + i] * 9 + [i, 7, 8] for i in range(4)}
+    results = []
+    for num_blocks in (200, 14):
+        scheduler, worker = make(num_blocks=num_blocks, max_num_batched_tokens=6)
+        for rid, prompt in prompts.items():
+            add(scheduler, rid, prompt, params=greedy(max_tokens=20, prompt_logprobs=0))
+        outputs = run(scheduler, worker)
+        results.append({rid: next(o.prompt_logprobs for o in outs if o.prompt_logprobs)
+                        for rid, outs in outputs.items()})
+        if num_blocks == 14:
+            assert scheduler.num_preemptions > 0
+    assert results[0] == results[1]
+    for rid, prompt in prompts.items():
+        assert results[0][rid] == [prompt_logprob(prompt[: p + 1], prompt[p + 1])
+                                   for p in range(len(prompt) - 1)]

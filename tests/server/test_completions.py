@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -152,21 +153,37 @@ def test_logprobs_legacy_format(client: openai.OpenAI, model_name: str) -> None:
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 
-def test_echo_with_logprobs_has_null_prompt_logprobs(
+def test_echo_with_logprobs_returns_prompt_logprobs_also_when_cached(
     client: openai.OpenAI, model_name: str, http: httpx.Client
 ) -> None:
-    prompt = "Hello world!"
+    prompt = f"Hello world! {uuid.uuid4().hex[:6]} The quick brown fox jumps over the lazy dog."
     num_prompt = len(http.post("/tokenize", json={"prompt": prompt}).json()["tokens"])
-    result = client.completions.create(
-        model=model_name, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
-        extra_body={"ignore_eos": True},
-    )
-    choice = result.choices[0]
+
+    def echo() -> tuple[Any, int]:
+        result = client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+            echo=True, extra_body={"ignore_eos": True},
+        )
+        assert result.usage is not None and result.usage.prompt_tokens_details is not None
+        return result.choices[0], result.usage.prompt_tokens_details.cached_tokens or 0
+
+    choice, _ = echo()
     lp = choice.logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None
     assert choice.text.startswith(prompt)
     assert len(lp.tokens) == num_prompt + 3
-    assert lp.token_logprobs[:num_prompt] == [None] * num_prompt
-    assert all(x is not None for x in lp.token_logprobs[num_prompt:])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts it
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:],
+                                   strict=True):
+        assert logprob is not None and logprob <= 0
+        assert top is not None and top[token] == logprob and len(top) in (1, 2)
     assert "".join(lp.tokens[:num_prompt]) == prompt
     assert lp.text_offset[num_prompt] == len(prompt)  # type: ignore[index]
+
+    again, cached = echo()
+    assert cached == num_prompt - 1  # every prompt token but the last came from the cache
+    assert again.logprobs is not None and again.logprobs.token_logprobs is not None
+    for first, second in zip(lp.token_logprobs[1:], again.logprobs.token_logprobs[1:],
+                             strict=True):
+        assert first is not None and second is not None and abs(first - second) < 1e-4

@@ -123,3 +123,28 @@ def test_stream_echo_sends_the_prompt_first(client: openai.OpenAI, model_name: s
         stream=True,
     ))
     assert chunks[0].choices[0].text == "Hello world"
+
+
+def test_stream_echo_with_logprobs_equals_the_non_streamed_response(
+    client: openai.OpenAI, model_name: str
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=model_name, prompt=["Hello world", "The quick brown"], max_tokens=3,
+        temperature=0, echo=True, logprobs=1, extra_body={"ignore_eos": True},
+    )
+    whole = client.completions.create(**kwargs)
+    texts: dict[int, str] = defaultdict(str)
+    logprobs: dict[int, list[float | None]] = defaultdict(list)
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.logprobs is not None and choice.logprobs.token_logprobs is not None:
+                logprobs[choice.index] += choice.logprobs.token_logprobs
+    assert dict(texts) == {c.index: c.text for c in whole.choices}
+    for choice in whole.choices:
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        streamed = logprobs[choice.index]
+        assert streamed[0] is None and choice.logprobs.token_logprobs[0] is None
+        assert len(streamed) == len(choice.logprobs.token_logprobs)
+        for a, b in zip(streamed[1:], choice.logprobs.token_logprobs[1:], strict=True):
+            assert a is not None and b is not None and abs(a - b) < 1e-4

@@ -221,3 +221,27 @@ def test_no_engine_process_outlives_its_parent(tiny_llama_dir: Path) -> None:
     while time.monotonic() < deadline and (_alive(scheduler_pid) or _alive(worker_pid)):
         time.sleep(0.1)
     assert not _alive(scheduler_pid) and not _alive(worker_pid)
+
+
+def test_prompt_logprobs_equal_transformers_cached_or_not(smollm2: LLM, hf_smollm2: Any) -> None:
+    conversation = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "Which tokens are cached?"}]
+    prompt = smollm2.tokenizer.encode_chat(conversation)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_smollm2(torch.tensor([prompt])).logits[0].float(), -1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    for attempt in range(2):  # the second run finds the whole prompt cached
+        result = smollm2.generate([prompt], params)[0]
+        if attempt == 1:
+            assert result.num_cached_tokens == len(prompt) - 1
+        entries = result.prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        for position, entry in enumerate(entries[1:], start=1):
+            assert entry is not None
+            token = prompt[position]
+            expected = float(logprobs[position - 1, token])
+            assert abs(entry[token] - expected) < 2e-3
+            top2 = logprobs[position - 1].topk(2).values.tolist()
+            ours = sorted(entry.values(), reverse=True)[:2]
+            assert all(abs(a - b) < 2e-3 for a, b in zip(ours, top2, strict=True))
+    _assert_released(smollm2)

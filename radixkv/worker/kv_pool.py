@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from radixkv.config import CacheConfig, ConfigError, ModelConfig
@@ -56,11 +57,11 @@ class KVPool:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         self.block_size = block_size
-        self.kv_cache = torch.zeros(
+        shape = (
             model_config.num_layers, 2, num_blocks + 1, block_size,
             model_config.num_kv_heads, model_config.head_dim,
-            dtype=dtype, device=device,
         )
+        self.kv_cache = _zeros(shape, dtype, device)
 
     @property
     def num_bytes(self) -> int:
@@ -75,3 +76,15 @@ class KVPool:
                 raise ValueError(f"block copy ({src} -> {dst}) outside a pool of {self.num_blocks}")
         table = torch.tensor(pairs, dtype=torch.int64, device=self.kv_cache.device)
         backend.copy_blocks(self.kv_cache, table)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On CPU through numpy's calloc: the kernel hands out zero pages as they
+    are first touched, so a pool of many GiB costs nothing until its blocks are used
+    (torch.zeros writes every byte up front: tens of seconds for a big pool)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.zeros(shape, dtype=np.uint16)).view(torch.bfloat16)
+    numpy_dtype = {torch.float32: np.float32, torch.float16: np.float16}[dtype]
+    return torch.from_numpy(np.zeros(shape, dtype=numpy_dtype))

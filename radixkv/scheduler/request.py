@@ -15,6 +15,8 @@ from radixkv.kvcache import SeqId
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.beam import BeamSearchGroup
 
+SEED_MASK = (1 << 63) - 1
+
 
 class RequestError(ValueError):
     """A request the scheduler cannot run (e.g. longer than the context)."""
@@ -40,7 +42,6 @@ class Sequence:
     num_prompt_tokens: int
     spec: SamplingSpec
     num_computed: int = 0
-    on_worker: bool = False
     cumulative_logprob: float = 0.0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -116,6 +117,37 @@ class Request:
         if self.sampling is None or self.sampling.prompt_logprobs is None:
             return 0
         return len(self.prompt_token_ids) - 1 - len(self.prompt_logprobs)
+
+    def sampling_spec(self, index: int) -> SamplingSpec:
+        """How the worker picks stream `index`'s tokens; each stream has its own seed."""
+        if self.beam is not None:
+            return SamplingSpec(num_top_logprobs=self.beam.num_candidates)
+        params = self.sampling
+        assert params is not None
+        return SamplingSpec(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            seed=(self.seed * 1_000_003 + index) & SEED_MASK,
+            num_top_logprobs=params.logprobs or 0,
+        )
+
+    def stop_reason(self, seq: Sequence, max_model_len: int) -> FinishReason | None:
+        """Why a sampled stream stops after its newest token, if it does."""
+        params = self.sampling
+        assert params is not None
+        token = seq.token_ids[-1]
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= self.max_new_tokens or len(seq.token_ids) >= max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     @property
     def pending_fork(self) -> bool:

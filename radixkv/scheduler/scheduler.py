@@ -20,23 +20,26 @@ from radixkv import envs
 from radixkv.config import SchedulerConfig, kv_blocks_needed
 from radixkv.ipc.protocol import (
     AddRequest,
-    BlockUpdate,
     Chunk,
     EngineStats,
-    NewSeq,
     PromptLogprobs,
     RequestOutput,
     Sample,
-    SamplingSpec,
     StepInput,
     StepOutput,
 )
-from radixkv.kvcache import BlockId, KVCacheManager, SeqId
+from radixkv.kvcache import KVCacheManager, SeqId
+from radixkv.scheduler.admission_order import admission_order, waits_for_a_running_prefix
 from radixkv.scheduler.beam import BeamCandidates, BeamSearchGroup
 from radixkv.scheduler.outputs import build_output
-from radixkv.scheduler.request import FinishReason, Request, RequestError, Sequence
-
-_SEED_MASK = (1 << 63) - 1
+from radixkv.scheduler.request import (
+    SEED_MASK,
+    FinishReason,
+    Request,
+    RequestError,
+    Sequence,
+)
+from radixkv.scheduler.worker_mirror import WorkerMirror
 
 
 class Scheduler:
@@ -56,11 +59,9 @@ class Scheduler:
         self._step_id = 0
         self._next_seq_id = 0
         self._rng = random.Random()
-        self._worker_tables: dict[SeqId, list[BlockId]] = {}
-        self._to_drop: list[int] = []  # seq ids the worker must forget next step
+        self._mirror = WorkerMirror()
         self._outputs: list[RequestOutput] = []
         self._inflight: list[tuple[Request, Sequence, int, list[Sequence]]] = []
-        self._pending_copies: list[tuple[int, int]] = []
         self._debug = envs.debug()
 
     # ------------------------------------------------------------------ requests in and out
@@ -101,7 +102,7 @@ class Scheduler:
         )
         if params is not None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            request.seed = seed & _SEED_MASK
+            request.seed = seed & SEED_MASK
         self._check_fits_pool(request)
         if msg.beam is not None:
             eos = () if msg.beam.ignore_eos else msg.eos_token_ids
@@ -169,7 +170,6 @@ class Scheduler:
     def schedule(self) -> StepInput:
         self._step_id += 1
         self._inflight = []
-        self._pending_copies = []
         token_budget = self.config.max_num_batched_tokens
         token_budget = self._schedule_running(token_budget)
         self._schedule_waiting(token_budget)
@@ -223,7 +223,7 @@ class Scheduler:
         while True:
             growth = self.kv.grow(seq.seq_id, needed)
             if growth is not None:
-                self._pending_copies.extend(growth.block_copies)
+                self._mirror.add_copies(growth.block_copies)
                 return True
             victim = self.running[-1]
             self._preempt(victim)
@@ -232,10 +232,10 @@ class Scheduler:
 
     def _schedule_waiting(self, token_budget: int) -> None:
         seats = self.config.max_num_seqs - sum(r.num_sequences for r in self.running)
-        for request in self._waiting_order():
+        for request in admission_order(self.waiting, self._step_id, self.config, self.kv):
             if token_budget == 0 or seats < request.num_sequences:
                 break
-            if self._shares_uncomputed_prefix(request):
+            if waits_for_a_running_prefix(request, self.running, self.kv):
                 continue
             if not self._admit(request):
                 break
@@ -243,36 +243,6 @@ class Scheduler:
             self.running.append(request)
             seats -= request.num_sequences
             token_budget -= self._schedule_request(request, token_budget)
-
-    def _waiting_order(self) -> list[Request]:
-        """Aged (and preempted) requests first in arrival order, then longest cached prefix."""
-        window = self.waiting[: max(4 * self.config.max_num_seqs, 64)]
-        aged: list[Request] = []
-        fresh: list[Request] = []
-        for request in window:
-            waited = self._step_id - request.arrival_step
-            (aged if request.admitted or waited >= self.config.aging_steps else fresh).append(
-                request
-            )
-        fresh.sort(key=lambda r: -self.kv.peek_prefix(r.seqs[0].token_ids, r.salt))
-        return aged + fresh
-
-    def _shares_uncomputed_prefix(self, request: Request) -> bool:
-        """True when a running request is computing a prefix this one would otherwise
-        compute again: better to wait a step and hit it in the cache."""
-        if request.admitted:
-            return False
-        prompt = request.prompt_token_ids
-        cached = self.kv.peek_prefix(prompt, request.salt)
-        block_size = self.kv.block_size
-        for other in self.running:
-            leader = other.seqs[0]
-            if other.salt != request.salt or leader.num_computed >= other.num_prompt_len:
-                continue
-            shared = _common_prefix_len(prompt, other.prompt_token_ids)
-            if shared - cached >= block_size and leader.num_computed < shared:
-                return True
-        return False
 
     def _admit(self, request: Request) -> bool:
         """Admit every live sequence of the request, or none of them."""
@@ -282,6 +252,7 @@ class Scheduler:
             if admission is None:
                 for done in admitted:
                     self.kv.free(done.seq_id)
+                    self._mirror.forget(done)
                     done.num_computed = 0
                 return False
             admitted.append(seq)
@@ -291,7 +262,7 @@ class Scheduler:
                 # Recompute the cached part for its logits; its shared K/V stays as it is.
                 seq.store_from = admission.num_cached_tokens
                 seq.num_computed = min(seq.num_computed, len(request.prompt_logprobs))
-            self._pending_copies.extend(admission.block_copies)
+            self._mirror.add_copies(admission.block_copies)
             if not request.admitted:
                 request.num_cached_tokens = admission.num_cached_tokens
         request.admitted = True
@@ -305,7 +276,7 @@ class Scheduler:
         for seq in request.live_seqs:
             self.kv.free(seq.seq_id, seq.token_ids[: seq.num_computed])
             seq.num_computed = 0
-            self._forget_on_worker(seq)
+            self._mirror.forget(seq)
         self.waiting.insert(0, request)
 
     # ------------------------------------------------------------------- chunks and input
@@ -330,15 +301,19 @@ class Scheduler:
 
     def _build_step_input(self) -> StepInput:
         chunks, new_seqs, updates = [], [], []
+        mirror = self._mirror
         for request, seq, num_tokens, fanout in self._inflight:
             start = seq.num_computed
-            if not seq.on_worker:
-                new_seqs.append(self._new_seq_message(seq, seq.token_ids[:start]))
+            table = self.kv.block_ids(seq.seq_id)
+            if mirror.knows(seq):
+                updates.extend(mirror.updates(seq, table))
             else:
-                updates.extend(self._table_updates(seq))
+                new_seqs.append(mirror.new_seq(seq, table, seq.token_ids[:start]))
             for child in fanout:
                 end = start + num_tokens
-                new_seqs.append(self._new_seq_message(child, child.token_ids[:end]))
+                new_seqs.append(
+                    mirror.new_seq(child, self.kv.block_ids(child.seq_id), child.token_ids[:end])
+                )
             chunks.append(
                 Chunk(
                     seq_id=seq.seq_id,
@@ -350,14 +325,13 @@ class Scheduler:
                     **self._prompt_logprob_targets(request, seq, start, num_tokens),
                 )
             )
-        drop, self._to_drop = self._to_drop, []
         return StepInput(
             step_id=self._step_id,
             chunks=chunks,
             new_seqs=new_seqs,
             block_updates=updates,
-            block_copies=self._pending_copies,
-            finished_seq_ids=drop,
+            block_copies=mirror.take_copies(),
+            finished_seq_ids=mirror.take_forgotten(),
         )
 
     @staticmethod
@@ -375,34 +349,6 @@ class Scheduler:
             "logprob_targets": request.prompt_token_ids[start + 1 : end + 1],
             "num_top_logprobs": request.sampling.prompt_logprobs,
         }
-
-    def _new_seq_message(self, seq: Sequence, history: list[int]) -> NewSeq:
-        table = list(self.kv.block_ids(seq.seq_id))
-        seq.on_worker = True
-        self._worker_tables[seq.seq_id] = table
-        return NewSeq(
-            seq_id=seq.seq_id, block_ids=list(table), token_ids=history,
-            num_prompt_tokens=seq.num_prompt_tokens, spec=seq.spec,
-        )
-
-    def _table_updates(self, seq: Sequence) -> list[BlockUpdate]:
-        table = self.kv.block_ids(seq.seq_id)
-        sent = self._worker_tables[seq.seq_id]
-        if table == sent:
-            return []
-        start = next(
-            (i for i, (a, b) in enumerate(zip(table, sent, strict=False)) if a != b),
-            min(len(table), len(sent)),
-        )
-        assert len(table) >= len(sent), "a running sequence's block table never shrinks"
-        self._worker_tables[seq.seq_id] = list(table)
-        return [BlockUpdate(seq_id=seq.seq_id, start=start, block_ids=list(table[start:]))]
-
-    def _forget_on_worker(self, seq: Sequence) -> None:
-        if seq.on_worker:
-            self._to_drop.append(seq.seq_id)
-            seq.on_worker = False
-            del self._worker_tables[seq.seq_id]
 
     # --------------------------------------------------------------------------- update
 
@@ -434,7 +380,7 @@ class Scheduler:
                     s.top_logprobs.append(
                         list(zip(sample.top_token_ids, sample.top_logprobs, strict=True))
                     )
-                reason = self._stop_reason(request, s)
+                reason = request.stop_reason(s, self.max_model_len)
                 if reason is not None:
                     self._finish_seq(request, s, reason)
         for request in beam_requests.values():
@@ -455,20 +401,6 @@ class Scheduler:
         block_size = self.kv.block_size
         if num_tokens > 1 or seq.num_computed % block_size == 0:
             self.kv.cache(seq.seq_id, seq.token_ids[: seq.num_computed])
-
-    def _stop_reason(self, request: Request, seq: Sequence) -> FinishReason | None:
-        params = request.sampling
-        assert params is not None
-        token = seq.token_ids[-1]
-        if token in request.eos_token_ids and not params.ignore_eos:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= request.max_new_tokens:
-            return FinishReason.LENGTH
-        if len(seq.token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _advance_beams(self, request: Request, samples: dict[int, Sample]) -> None:
         group = request.beam
@@ -505,7 +437,7 @@ class Scheduler:
         seq.finish_reason = reason
         if request.admitted and request in self.running:
             self.kv.free(seq.seq_id, seq.token_ids[: seq.num_computed])
-        self._forget_on_worker(seq)
+        self._mirror.forget(seq)
         self.seqs.pop(seq.seq_id, None)
         if not keep:
             request.seqs.remove(seq)
@@ -528,27 +460,10 @@ class Scheduler:
             index=index,
             token_ids=token_ids,
             num_prompt_tokens=len(request.prompt_token_ids),
-            spec=self._spec_for(request, index),
+            spec=request.sampling_spec(index),
         )
         self.seqs[seq_id] = (request, seq)
         return seq
-
-    def _spec_for(self, request: Request, index: int) -> SamplingSpec:
-        if request.beam is not None:
-            return SamplingSpec(num_top_logprobs=request.beam.num_candidates)
-        params = request.sampling
-        assert params is not None
-        return SamplingSpec(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            seed=(request.seed * 1_000_003 + index) & _SEED_MASK,
-            num_top_logprobs=params.logprobs or 0,
-        )
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
@@ -579,17 +494,6 @@ def _collect_prompt_logprobs(request: Request, start: int, computed: PromptLogpr
         for ids, lps in zip(computed.top_token_ids[skip:], computed.top_logprobs[skip:],
                             strict=True)
     ]
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    limit = min(len(a), len(b))
-    step = 64
-    i = 0
-    while i + step <= limit and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < limit and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _candidates(beam_index: int, sample: Sample) -> BeamCandidates:

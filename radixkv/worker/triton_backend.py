@@ -7,6 +7,9 @@ RADIXKV_ATTENTION=triton. On CPU tensors the kernels only run under TRITON_INTER
 
 from __future__ import annotations
 
+import torch
+
+from radixkv.kernels import reference
 from radixkv.kernels.copy_blocks import copy_blocks
 from radixkv.kernels.paged_decode import paged_decode
 from radixkv.kernels.paged_prefill import paged_prefill
@@ -20,4 +23,14 @@ class TritonBackend:
     store_kv = staticmethod(store_kv)
     paged_decode = staticmethod(paged_decode)
     paged_prefill = staticmethod(paged_prefill)
-    copy_blocks = staticmethod(copy_blocks)
+
+    @staticmethod
+    def copy_blocks(kv_cache: torch.Tensor, block_pairs: torch.Tensor) -> None:
+        """The parallel kernel, unless a block is both copied from and into in this batch
+        (a block freed and handed out again within one step): then torch's indexing copy,
+        which reads every source before writing."""
+        pairs = block_pairs.tolist()
+        if {dst for _, dst in pairs} & {src for src, _ in pairs}:
+            reference.copy_blocks(kv_cache, block_pairs.to(kv_cache.device))
+            return
+        copy_blocks(kv_cache, block_pairs)

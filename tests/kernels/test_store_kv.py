@@ -73,3 +73,17 @@ def test_copy_blocks_without_pairs_is_a_no_op(device: torch.device) -> None:
     kv_cache = torch.ones((1, 2, 2, 16, 1, 64), device=device)
     copy_blocks(kv_cache, torch.zeros((0, 2), dtype=torch.int64))
     assert bool((kv_cache == 1).all())
+
+
+def test_backend_copies_a_batch_where_a_block_is_source_and_destination() -> None:
+    """Block 3 is copied from (into 5) and into (from 1) in one step: the backend reads every
+    source before writing, like the reference."""
+    from radixkv.worker.triton_backend import TritonBackend
+
+    kv = torch.randn(2, 2, 8, 4, 2, 16)
+    expected = kv.clone()
+    pairs = torch.tensor([[3, 5], [1, 3]])
+    reference.copy_blocks(expected, pairs)
+    TritonBackend.copy_blocks(kv, pairs)
+    torch.testing.assert_close(kv, expected)
+    assert torch.equal(kv[:, :, 5], expected[:, :, 5]) and not torch.equal(kv[:, :, 5], kv[:, :, 3])

@@ -114,10 +114,15 @@ def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
 
 
-def start_process(module: str, args: list[str]) -> subprocess.Popen[bytes]:
-    """Run `python -m module args...` as a child that shares our stdout/stderr."""
+def start_process(
+    module: str, args: list[str], env_defaults: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Run `python -m module args...` as a child that shares our stdout/stderr; variables in
+    `env_defaults` are set unless the user's environment already sets them."""
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for key, value in (env_defaults or {}).items():
+        env.setdefault(key, value)
     return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
 
 

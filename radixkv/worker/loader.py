@@ -29,11 +29,10 @@ from radixkv.checkpoint import (
     GGUF_TENSOR_TYPES,
     Checkpoint,
     CheckpointError,
-    GGUFFile,
-    GGUFTensorInfo,
     hf_weight_files,
     read_gguf,
 )
+from radixkv.gguf_file import GGUFFile, GGUFTensorInfo
 
 # Buffers some older HF checkpoints save next to the parameters; the model recomputes them.
 _HF_SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+import radixkv.worker.race as race_module
 import radixkv.worker.sampler as sampler_module
 from radixkv.ipc.protocol import SamplingSpec
 from radixkv.worker.sampler import (
@@ -493,7 +494,7 @@ def test_empirical_distribution_matches_softmax() -> None:
 def test_empirical_distribution_across_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     # 14 tokens in buckets of 4: the race picks a bucket, then a token of the bucket; the
     # last bucket is half padding
-    monkeypatch.setattr(sampler_module, "_MAX_BUCKET_SIZE", 4)
+    monkeypatch.setattr(race_module, "_MAX_BUCKET_SIZE", 4)
     num_samples = 10000
     logits = torch.tensor(
         [[0.5, -1.0, 1.0, 0.0, -2.0, -3.0, -1.5, -0.5, 2.0, -4.0, 0.3, 1.2, -1.0, 0.8]]

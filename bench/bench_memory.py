@@ -436,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-threads", type=int, default=2, help="for --worker model")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--out-suffix", default=None,
+                        help="file name memory_<workload><suffix>.json (default: '' with the "
+                             "synthetic worker, '_model' with the model)")
     add_workload_options(parser, many=True)
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.workload.split(",") if k.strip()]
@@ -461,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         print("config:", json.dumps(header["config"]))
         print(f"seed: {config.seed}")
         result = {**header, **run_one(kind, args, tokenizer, context_len, execute_for)}
-        suffix = "" if args.worker == "synthetic" else "_model"
+        suffix = args.out_suffix
+        if suffix is None:
+            suffix = "" if args.worker == "synthetic" else "_model"
         write_result(args.out_dir / f"memory_{kind}{suffix}.json", result)
     return 0
 

@@ -22,14 +22,17 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,12 +132,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class RunningServer:
+    base_url: str
+    pid: int
+
+
 @contextmanager
 def radixkv_server(
     model: str | None, server_args: Sequence[str], log_path: Path, timeout_s: float = 900.0
-) -> Iterator[str]:
-    """A `radixkv serve` child process on a free port; yields its base URL once /health is
-    200, stops it (SIGINT, then SIGKILL) on the way out."""
+) -> Iterator[RunningServer]:
+    """A `radixkv serve` child process on a free port, yielded once /health is 200; stopped
+    (SIGINT, then SIGKILL) on the way out."""
     port = free_port()
     command = [sys.executable, "-m", "radixkv.cli", "serve"]
     command += [model] if model else []
@@ -146,7 +155,7 @@ def radixkv_server(
         try:
             base_url = f"http://127.0.0.1:{port}"
             _wait_healthy(proc, base_url, timeout_s, log_path)
-            yield base_url
+            yield RunningServer(base_url, proc.pid)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
@@ -191,9 +200,80 @@ def run_server_system(
     width = max(r.n for r in workload.requests)
     name = "cache" if prefix_cache else "nocache"
     log_path = log_dir / f"server_{name}_c{concurrency}.log"
+    profile = None
+    if args.profile:
+        profile = RESULTS / f"compare_profile_{workload.config.kind}_{name}_c{concurrency}.txt"
     with radixkv_server(args.model, server_args(args, concurrency, width, prefix_cache),
-                        log_path) as base_url:
-        return measure_server(base_url, workload, concurrency, args.endpoint)
+                        log_path) as server, py_spy(server.pid, profile):
+        summary = measure_server(server.base_url, workload, concurrency, args.endpoint)
+    if profile is not None and profile.exists():
+        summary["profile"] = {"file": profile.name, "top": profile_summary(profile)}
+    return summary
+
+
+@contextmanager
+def py_spy(pid: int, out: Path | None) -> Iterator[None]:
+    """Sample the server and its engine processes with py-spy (collapsed stacks) while the
+    block runs; nothing when `out` is None."""
+    if out is None:
+        yield
+        return
+    binary = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    proc = subprocess.Popen([binary, "record", "--pid", str(pid), "--subprocesses",
+                             "--nonblocking", "--rate", "20", "--format", "raw",
+                             "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def profile_summary(path: Path, top: int = 10) -> dict[str, Any]:
+    """Per engine process (front, scheduler, worker) of a collapsed-stack file: its share of
+    all samples, the functions on most of its stacks (inclusive, frames on nearly every stack
+    left out) and the leaf functions (self time), each with its share of the process's
+    samples."""
+    inclusive: dict[str, Counter[str]] = {}
+    leaves: dict[str, Counter[str]] = {}
+    totals: Counter[str] = Counter()
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, text = line.rpartition(" ")
+        if not stack or not text.isdigit():
+            continue
+        count = int(text)
+        frames = stack.split(";")
+        depth = max(i for i, f in enumerate(frames) if f.startswith("process "))
+        role = _process_role(frames[depth])
+        functions = [f.split(" (")[0] for f in frames[depth + 1 :]]
+        totals[role] += count
+        for name in set(functions):
+            inclusive.setdefault(role, Counter())[name] += count
+        if functions:
+            leaves.setdefault(role, Counter())[functions[-1]] += count
+    everything = sum(totals.values())
+    report: dict[str, Any] = {}
+    for role, total in totals.most_common():
+        on_most = [(n, c) for n, c in inclusive[role].most_common() if c < 0.95 * total]
+        report[role] = {
+            "share_of_samples": total / everything,
+            "inclusive": {n: round(c / total, 3) for n, c in on_most[:top]},
+            "self": {n: round(c / total, 3) for n, c in leaves[role].most_common(top)},
+        }
+    return report
+
+
+def _process_role(process: str) -> str:
+    for module, role in (("radixkv.worker", "worker"), ("radixkv.scheduler", "scheduler"),
+                         ("radixkv.cli", "front")):
+        if module in process:
+            return role
+    return process[:60]
 
 
 def measure_server(base_url: str, workload: Workload, concurrency: int,
@@ -307,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="one more argument for both servers (repeatable)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result JSON (default bench/results/compare_<workload>.json)")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy the servers while they serve; collapsed stacks to "
+                             "bench/results/compare_profile_*.txt, a summary in the JSON")
     add_workload_options(parser)
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]

@@ -20,8 +20,8 @@ TINY = ["--num-system-prompts", "2", "--system-tokens", "40", "--question-tokens
 def server_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("bench-server") / "server.log"
     with compare.radixkv_server(str(tiny_llama_dir), ["--kv-cache-tokens", "4096",
-                                                      "--num-threads", "1"], log) as url:
-        yield url
+                                                      "--num-threads", "1"], log) as server:
+        yield server.base_url
 
 
 def serve_bench(url: str, tiny_dir: Path, out: Path, *args: str) -> dict:

@@ -221,6 +221,8 @@ class LLM:
                         continue
                     tracker.apply(out)
                     if tracker.error is not None:
+                        if tracker.error_rejected:  # the request cannot run on this engine
+                            raise ValueError(tracker.error)
                         raise EngineError(f"request failed: {tracker.error}")
                     if tracker.needs_abort:
                         engine.send(AbortRequest(out.request_id))

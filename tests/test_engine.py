@@ -135,6 +135,8 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(smollm2: LLM) -> None:
         smollm2.generate([[1, 2, 10**6]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="at most 16 sequences"):
+        smollm2.generate("Hi", SamplingParams(n=17, max_tokens=2))
     result = smollm2.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4))
     assert len(result[0].outputs[0].token_ids) == 4
 

@@ -262,8 +262,9 @@ class Bench:
     # --- prefill ------------------------------------------------------------------------
 
     def bench_prefill_case(self, num_seqs: int, prefix: int, new: int) -> dict[str, Any]:
-        from radixkv.kernels.paged_prefill import paged_prefill
         from torch.nn.attention.bias import causal_lower_right
+
+        from radixkv.kernels.paged_prefill import paged_prefill
 
         torch = self.torch
         data = self.decode_data(num_seqs, prefix + new)

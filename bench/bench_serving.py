@@ -103,8 +103,11 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
+        """None when no choice streamed its tokens over several events (radixkv sends each
+        beam of a beam search whole, at the end)."""
         per_seq = self.output_tokens / max(self.num_choices, 1)
-        if self.ttft is None or self.latency is None or per_seq <= 1:
+        streamed = any(len(times) > 1 for times in self.chunk_times.values())
+        if self.ttft is None or self.latency is None or per_seq <= 1 or not streamed:
             return None
         return (self.latency - self.ttft) / (per_seq - 1)
 
@@ -130,10 +133,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
-    """mean, p50, p99 of `values` times `scale` (1000 for milliseconds)."""
+def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
+    """mean, p50, p99 of `values` times `scale` (1000 for milliseconds); None without values."""
     if not values:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+        return {"mean": None, "p50": None, "p99": None}
     return {
         "mean": scale * sum(values) / len(values),
         "p50": scale * percentile(values, 50),
@@ -186,8 +189,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     for key, label in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"),
                        ("itl_ms", "ITL (ms)"), ("e2e_ms", "latency (ms)")):
-        d = summary[key]
-        lines.append(f"{label:<28}{d['mean']:>10.1f}{d['p50']:>10.1f}{d['p99']:>10.1f}")
+        cells = ["-" if v is None else f"{v:.1f}" for v in summary[key].values()]
+        lines.append(f"{label:<28}" + "".join(f"{cell:>10}" for cell in cells))
     return "\n".join(lines)
 
 

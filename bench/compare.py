@@ -339,14 +339,14 @@ def run_transformers(model: Any, workload: Workload, batch_size: int) -> dict[st
         output_tokens += out[:, width:].numel()  # min_new_tokens: every row is out_len long
         prompt_tokens += sum(len(r.prompt_token_ids) for r in batch)
     duration = time.perf_counter() - started
-    nan = {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    absent = distribution([])
     return {
         "completed": len(requests), "failed": 0, "duration_s": duration,
         "request_throughput": len(requests) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + prompt_tokens) / duration,
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "cached_tokens": 0,
-        "hit_rate": None, "ttft_ms": nan, "tpot_ms": nan, "itl_ms": nan,
+        "hit_rate": None, "ttft_ms": absent, "tpot_ms": absent, "itl_ms": absent,
         "e2e_ms": distribution(latencies, 1000.0),
     }
 

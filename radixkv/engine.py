@@ -231,7 +231,9 @@ class LLM:
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
-            if engine.alive:
+            # Best effort: the engine may be going down, and the error that got us here
+            # is the one to report.
+            with contextlib.suppress(EngineError):
                 for request_id in pending:
                     engine.send(AbortRequest(request_id))
             raise

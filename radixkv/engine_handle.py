@@ -27,6 +27,9 @@ from radixkv.ipc.transport import (
     wait_for,
 )
 
+# After the scheduler exits, how long its last records may take to arrive.
+FINAL_RECORDS_S = 0.2
+
 
 class EngineError(RuntimeError):
     """The engine failed to start or stopped serving."""
@@ -83,6 +86,10 @@ class EngineHandle:
         An `EngineFailure` is returned (and remembered); a vanished scheduler becomes one.
         """
         message = self.channel.recv(timeout_s)
+        if message is None and self.failure is None and self.proc.poll() is not None:
+            # What it sent just before exiting (its own failure report, last outputs) may
+            # still be in flight: that comes first.
+            message = self.channel.recv(FINAL_RECORDS_S)
         if message is None and self.failure is None and self.proc.poll() is not None:
             message = EngineFailure(
                 f"the scheduler process exited with code {self.proc.returncode}"

@@ -21,6 +21,7 @@ import zmq
 from radixkv.ipc.protocol import decode, encode
 
 POLL_INTERVAL_S = 0.05
+FLUSH_S = 1.0  # how long a closing process waits for its last records to leave
 
 # Socket file names inside the private directory; "in"/"out" as seen by the named process.
 FRONT_IN = "front-in"  # front -> scheduler
@@ -95,8 +96,10 @@ class Channel:
             return None
         return decode(self._recv.recv(copy=True))
 
-    def close(self) -> None:
-        self._send.close(linger=0)
+    def close(self, flush_s: float = 0.0) -> None:
+        """Close both sockets; records still queued for the peer get up to `flush_s` to
+        leave (a process's last words, such as a failure report, must not be dropped)."""
+        self._send.close(linger=int(flush_s * 1000))
         self._recv.close(linger=0)
 
 

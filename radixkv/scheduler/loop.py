@@ -35,6 +35,7 @@ from radixkv.ipc.protocol import (
     WorkerReady,
 )
 from radixkv.ipc.transport import (
+    FLUSH_S,
     FRONT_IN,
     FRONT_OUT,
     WORKER_IN,
@@ -204,7 +205,10 @@ class SchedulerProcess:
                 self.worker.send(Shutdown())
         stop_process(self.worker_proc)
         self.worker.close()
-        self.front.close()
+        self.front.close(flush_s=FLUSH_S if parent_alive(self.parent) else 0.0)
+        # Terminating the context is what waits for the flush: at interpreter exit pyzmq
+        # drops whatever is still queued.
+        self.context.term()
 
 
 def _rejected(message: AddRequest, error: str) -> RequestOutput:

@@ -17,6 +17,7 @@ from radixkv.checkpoint import resolve_checkpoint
 from radixkv.config import EngineConfig
 from radixkv.ipc.protocol import Shutdown, StepInput, WorkerFailure, WorkerReady
 from radixkv.ipc.transport import (
+    FLUSH_S,
     WORKER_IN,
     WORKER_OUT,
     Channel,
@@ -43,7 +44,8 @@ def run(socket_dir: Path, config: EngineConfig) -> int:
         runner = ModelRunner.from_checkpoint(checkpoint, config.cache, config.worker)
     except Exception as exc:  # report start-up failures instead of vanishing
         channel.send(WorkerFailure(f"worker failed to start: {type(exc).__name__}: {exc}"))
-        channel.close()
+        channel.close(flush_s=FLUSH_S)
+        context.term()
         return 1
     channel.send(
         WorkerReady(
@@ -66,9 +68,11 @@ def run(socket_dir: Path, config: EngineConfig) -> int:
             channel.send(runner.execute(message))
     except Exception:
         channel.send(WorkerFailure("worker failed:\n" + traceback.format_exc()))
+        channel.close(flush_s=FLUSH_S)
         return 1
     finally:
         channel.close()
+        context.term()  # waits for records closed with a flush time (see Channel.close)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,10 +33,14 @@ def test_offsets_count_characters_across_split_bytes(tiny_llama_dir: Path) -> No
     assert part.token_logprobs == [-1.0 - i for i in range(len(ids))]
     clamped = [lp for top in part.top_logprobs if top for lp in top.values() if lp < -1000]
     assert clamped and set(clamped) == {-9999.0}  # -inf is clamped for JSON
-    # A later piece continues the offsets; echoed prompt tokens have null logprobs.
+    # Echoed prompt tokens: the first has null logprobs (nothing predicts it), the others
+    # carry their own logprob and top alternatives; a later piece continues the offsets.
     echo = CompletionLogprobsBuilder(tokenizer)
-    prompt = echo.prompt(ids)
-    assert prompt.token_logprobs == [None] * len(ids) and prompt.top_logprobs == [None] * len(ids)
+    entries = [None] + [{t: -2.0, 0: -3.0} for t in ids[1:]]
+    prompt = echo.prompt(ids, entries)
+    assert prompt.token_logprobs == [None] + [-2.0] * (len(ids) - 1)
+    assert prompt.top_logprobs[0] is None and len(prompt.top_logprobs[1]) in (1, 2)
+    assert prompt.text_offset == part.text_offset
     assert echo.generated(delta(ids[:1])).text_offset == [len(text)]
 
 

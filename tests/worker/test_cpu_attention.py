@@ -1,4 +1,5 @@
-"""The CPU shared-prefix decode against the reference decode, and its plans pinned."""
+"""The CPU attention (shared-prefix decode, fused prefill) against the reference ops, and
+the decode plans pinned."""
 
 from __future__ import annotations
 
@@ -78,6 +79,59 @@ def test_decode_matches_the_reference(
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     expected = reference.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, 0.3)
     got = SharedPrefixDecoder()(query, k_cache, v_cache, block_tables, seq_lens, 0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_without_the_fused_kernel_matches_too(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both attention paths (torch's fused CPU flash kernel, and the matmul/exp fallback
+    used where that kernel is missing) on shared segments and masked tails."""
+    if not fused:
+        monkeypatch.setattr(cpu_attention, "_FLASH_FOR_CPU", None)
+    torch.manual_seed(1)
+    k_cache = torch.randn(60, 4, 3, 16)
+    v_cache = torch.randn(60, 4, 3, 16)
+    tables = _tables([[1, 2, 3, 40], [1, 2, 3, 41, 42], [9, 8], [50]])
+    lens = torch.tensor([15, 19, 5, 1], dtype=torch.int32)
+    query = torch.randn(4, 9, 16)
+    expected = reference.paged_decode(query, k_cache, v_cache, tables, lens, 0.25)
+    got = SharedPrefixDecoder()(query, k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fused", [True, False])
+def test_prefill_matches_the_reference(
+    seed: int, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of varied lengths over empty and cached prefixes (ending mid-block), shuffled
+    block tables, GQA 1 and 3."""
+    if not fused:
+        monkeypatch.setattr(cpu_attention, "_FLASH_FOR_CPU", None)
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16])
+    num_kv_heads, group, head_dim = rng.choice([(2, 1, 16), (3, 3, 32)])
+    num_blocks = 200
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, lens, q_lens = [], [], []
+    for _ in range(rng.randrange(1, 4)):
+        q_len = rng.randrange(1, 40)
+        context = rng.choice([0, rng.randrange(1, 50)])
+        seq_len = context + q_len
+        tables.append([free.pop() for _ in range(-(-seq_len // block_size))])
+        lens.append(seq_len)
+        q_lens.append(q_len)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (query, k_cache, v_cache, _tables(tables), starts,
+            torch.tensor(lens, dtype=torch.int32), 0.3)
+    expected = reference.paged_prefill(*args)
+    got = cpu_attention.paged_prefill(*args)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -1,7 +1,8 @@
 """Model-path speed on this machine: radixkv's paged model vs transformers on the same weights.
 
 Measures the default model's load time, prefill tokens/s and decode tokens/s at batch 1 and
-batch 16, both implementations with the same thread count, fp32.
+batch 16, both implementations with the same thread count, fp32. radixkv runs with the
+attention backend the engine picks for the device (`select_backend`: the CPU backend here).
 
     python bench/bench_model.py [--model PATH] [--threads 2] [--prompt-len 256] [--decode-steps 32]
 """
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from radixkv.checkpoint import resolve_checkpoint
-from radixkv.worker.attention import ReferenceBackend
+from radixkv.worker.attention import select_backend
 from radixkv.worker.batch import SeqChunk, build_model_inputs
 from radixkv.worker.model_runner import load_model
 
@@ -40,7 +41,7 @@ def timed(fn: Any, repeats: int) -> float:
 
 def radixkv_path(checkpoint: Any, batch: int, prompt_len: int, steps: int,
                  repeats: int, rng: random.Random) -> dict[str, float]:
-    model = load_model(checkpoint, ReferenceBackend(), torch.float32, CPU)
+    model = load_model(checkpoint, select_backend(CPU), torch.float32, CPU)
     config = checkpoint.model_config
     block_size = 16
     blocks_per_seq = (prompt_len + steps) // block_size + 1
@@ -68,7 +69,7 @@ def radixkv_path(checkpoint: Any, batch: int, prompt_len: int, steps: int,
             tokens = model.compute_logits(hidden).argmax(-1).tolist()
 
     prefill_s = timed(prefill, repeats)
-    decode_s = timed(lambda: (prefill(), decode()), 1) - prefill_s
+    decode_s = timed(lambda: (prefill(), decode()), repeats) - prefill_s
     return {
         "prefill_tokens_per_s": batch * prompt_len / prefill_s,
         "decode_tokens_per_s": batch * steps / decode_s,
@@ -97,7 +98,7 @@ def transformers_path(path: Path, batch: int, prompt_len: int, steps: int,
             token = out.logits[:, -1].argmax(-1, keepdim=True)
 
     prefill_s = timed(prefill, repeats)
-    decode_s = timed(prefill_and_decode, 1) - prefill_s
+    decode_s = timed(prefill_and_decode, repeats) - prefill_s
     return {
         "prefill_tokens_per_s": batch * prompt_len / prefill_s,
         "decode_tokens_per_s": batch * steps / decode_s,
@@ -122,7 +123,7 @@ def main() -> None:
 
     started = time.perf_counter()
     checkpoint = resolve_checkpoint(args.model)
-    load_model(checkpoint, ReferenceBackend(), torch.float32, CPU)
+    load_model(checkpoint, select_backend(CPU), torch.float32, CPU)
     radixkv_load_s = time.perf_counter() - started
 
     from transformers import AutoModelForCausalLM

@@ -247,3 +247,21 @@ def test_prompt_logprobs_equal_transformers_cached_or_not(smollm2: LLM, hf_smoll
             ours = sorted(entry.values(), reverse=True)[:2]
             assert all(abs(a - b) < 2e-3 for a, b in zip(ours, top2, strict=True))
     _assert_released(smollm2)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_generate_command_prints_only_the_engines_text(smollm2: LLM, chat: bool) -> None:
+    """`radixkv generate` with the default model: stdout is the greedy completion the offline
+    API gives for the same prompt, and nothing else."""
+    prompt = "The capital of France is"
+    command = [sys.executable, "-m", "radixkv.cli", "generate", "--prompt", prompt,
+               "--max-tokens", "8", "--kv-cache-tokens", "4096"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    if chat:
+        command.append("--chat")
+        expected = smollm2.chat([{"role": "user", "content": prompt}], params)
+    else:
+        expected = smollm2.generate(prompt, params)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout == expected[0].outputs[0].text + "\n"
+    assert expected[0].outputs[0].text.strip()  # something was generated

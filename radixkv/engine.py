@@ -16,7 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from radixkv.checkpoint import resolve_checkpoint
-from radixkv.config import DType, EngineConfig
+from radixkv.config import EngineConfig
 from radixkv.engine_handle import EngineError, EngineHandle
 from radixkv.ipc.protocol import (
     AbortRequest,
@@ -41,40 +41,12 @@ _request_counter = itertools.count()
 class LLM:
     """An engine in background processes, driven synchronously from this one."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        block_size: int = 16,
-        kv_cache_tokens: int | None = None,
-        memory_fraction: float = 0.5,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        max_n: int = 16,
-        dtype: DType = "float32",
-        device: str = "cpu",
-        num_threads: int | None = None,
-        seed: int = 0,
-    ):
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        """`engine_options` are those of `EngineConfig.from_options` (block_size,
+        kv_cache_tokens, enable_prefix_caching, max_num_seqs, ...), with its defaults."""
         self.checkpoint = resolve_checkpoint(model)
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        self.config = EngineConfig.from_options(
-            str(self.checkpoint.path),
-            block_size=block_size,
-            kv_cache_tokens=kv_cache_tokens,
-            memory_fraction=memory_fraction,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            max_n=max_n,
-            dtype=dtype,
-            device=device,
-            num_threads=num_threads,
-            seed=seed,
-        )
+        self.config = EngineConfig.from_options(str(self.checkpoint.path), **engine_options)
         eos = set(self.checkpoint.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
         self._engine: EngineHandle | None = EngineHandle(self.config)

@@ -23,6 +23,8 @@ This module never imports radixkv.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -100,29 +102,40 @@ def paged_prefill(
     causally to the cached prefix and to themselves (their K/V already stored).
     """
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q_start, q_end = starts[i], starts[i + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        context_len = seq_len - q_len
+    for i, q_start, q_end, seq_len in prefill_spans(query_start_loc, seq_lens):
         keys = gather_context(k_cache, block_tables[i], seq_len).transpose(0, 1)
         values = gather_context(v_cache, block_tables[i], seq_len).transpose(0, 1)
         q = query[q_start:q_end].transpose(0, 1).to(keys.dtype)  # (H, q_len, D)
-        if context_len == 0:
+        if seq_len == q_end - q_start:  # nothing cached before the chunk
             attn = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            q_pos = torch.arange(q_len, device=query.device)[:, None] + context_len
-            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = prefix_causal_mask(q_end - q_start, seq_len, query.device)
             attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=k_pos <= q_pos, scale=scale, enable_gqa=True
+                q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )  # (H, q_len, D); query head h reads KV head h // (H / H_kv)
         out[q_start:q_end] = attn.transpose(0, 1).to(query.dtype)
     return out
+
+
+def prefill_spans(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+) -> Iterator[tuple[int, int, int, int]]:
+    """(sequence, first query row, end query row, context length after the chunk) of each
+    sequence with a non-empty chunk."""
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if starts[i + 1] > starts[i]:
+            yield i, starts[i], starts[i + 1], seq_len
+
+
+def prefix_causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """(q_len, seq_len) bool: the chunk's last `q_len` positions of a `seq_len` context each
+    see the cached prefix and the chunk up to themselves."""
+    q_pos = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    return k_pos <= q_pos
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_pairs: torch.Tensor) -> None:

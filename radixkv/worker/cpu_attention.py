@@ -262,24 +262,17 @@ def paged_prefill(
         )
     out = torch.empty_like(query)
     group = query.shape[1] // k_cache.shape[2]
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        q_start, q_end = starts[i], starts[i + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        context_len = seq_len - q_len
+    for i, q_start, q_end, seq_len in reference.prefill_spans(query_start_loc, seq_lens):
         # (1, H, seq_len, D): K/V head h // group serves query head h
         keys = reference.gather_context(k_cache, block_tables[i], seq_len)
         values = reference.gather_context(v_cache, block_tables[i], seq_len)
         keys = keys.transpose(0, 1).repeat_interleave(group, 0)[None]
         values = values.transpose(0, 1).repeat_interleave(group, 0)[None]
         q = query[q_start:q_end].transpose(0, 1)[None].to(keys.dtype)  # (1, H, q_len, D)
-        if context_len == 0:
+        if seq_len == q_end - q_start:  # nothing cached before the chunk
             attn, _ = _FLASH_FOR_CPU(q, keys, values, is_causal=True, scale=scale)
         else:
-            allowed = (torch.arange(seq_len)[None, :]
-                       <= torch.arange(q_len)[:, None] + context_len)
+            allowed = reference.prefix_causal_mask(q_end - q_start, seq_len, query.device)
             mask = torch.zeros(allowed.shape, dtype=keys.dtype).masked_fill_(
                 ~allowed, float("-inf"))
             attn, _ = _FLASH_FOR_CPU(q, keys, values, attn_mask=mask[None, None], scale=scale)

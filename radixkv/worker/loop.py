@@ -54,6 +54,7 @@ def run(socket_dir: Path, config: EngineConfig) -> int:
             device=str(runner.device),
         )
     )
+    flush_s = 0.0  # a failure report gets time to leave before the sockets close
     try:
         while True:
             message = channel.recv(0.5)
@@ -68,10 +69,10 @@ def run(socket_dir: Path, config: EngineConfig) -> int:
             channel.send(runner.execute(message))
     except Exception:
         channel.send(WorkerFailure("worker failed:\n" + traceback.format_exc()))
-        channel.close(flush_s=FLUSH_S)
+        flush_s = FLUSH_S
         return 1
     finally:
-        channel.close()
+        channel.close(flush_s)
         context.term()  # waits for records closed with a flush time (see Channel.close)
 
 

@@ -151,7 +151,8 @@ class RadixTree:
         Where the tree already holds the same full blocks of tokens, the tree's blocks win and
         are reported as duplicates (the caller should switch to them and release its own).
         The caller's remaining blocks are taken (incref) into one new leaf, splitting the node
-        where the tokens diverge at the block boundary before the divergence. A partial tail
+        where the tokens diverge at the block boundary before the divergence; where they
+        continue an unlocked leaf, they are appended to that leaf instead. A partial tail
         whose tokens the tree already holds (in a block with at least as many) is not taken; a
         tail or block that is fuller than an unlocked partial leaf agreeing on its tokens
         replaces that leaf (its block is decrefed). Never evicts otherwise; locks nothing.
@@ -166,6 +167,7 @@ class RadixTree:
         salt: Salt,
         start: RadixNode | None = None,
         transfer: bool = False,
+        lock: bool = False,
     ) -> InsertResult:
         """`insert` of a packed key.
 
@@ -175,8 +177,25 @@ class RadixTree:
         not re-checked); `start` must end on a block boundary. Indices in the result count
         from the sequence's first block either way. With `transfer`, the caller hands the
         tree its own references to the blocks the tree takes (no incref): it must not decref
-        those blocks afterwards.
+        those blocks afterwards. With `lock`, the node the insertion ends at (`result.node`,
+        if any) is locked as `lock()` would, a new leaf being created locked (it never enters
+        the LRU order only to leave it again).
         """
+        result = self._insert_key(key, block_ids, salt, start, transfer, lock)
+        if lock and result.num_new_blocks == 0 and result.node is not None:
+            self.lock(result.node)
+        return result
+
+    def _insert_key(
+        self,
+        key: TokenKey,
+        block_ids: Sequence[BlockId],
+        salt: Salt,
+        start: RadixNode | None,
+        transfer: bool,
+        lock: bool,
+    ) -> InsertResult:
+        """`insert_key`; with `lock`, locks the node it takes new blocks into (only)."""
         bs, bb = self.block_size, self._block_bytes
         n = len(key)
         num_tokens = n // TOKEN_BYTES
@@ -214,7 +233,10 @@ class RadixTree:
                         node = grown
                         pos = end
                         continue
-                leaf = self._attach(node, key, pos, block_ids, base, transfer)
+                if not node.children and node.lock_count == 0 and node.parent is not None:
+                    num_taken = self._extend_leaf(node, key, pos, block_ids, transfer, lock)
+                    return InsertResult(node, base_block + len(block_ids), num_taken, duplicates)
+                leaf = self._attach(node, key, pos, block_ids, base, transfer, lock)
                 num_taken = len(leaf.block_ids)
                 return InsertResult(leaf, base_block + len(block_ids), num_taken, duplicates)
             if end > n:
@@ -394,9 +416,11 @@ class RadixTree:
         block_ids: Sequence[BlockId],
         base: int,
         transfer: bool,
+        lock: bool,
     ) -> RadixNode:
         """Hang the rest of `key` (from byte `pos`, a block boundary; token `base` is its
-        first) and of `block_ids` under `parent` as a new leaf, taking the blocks."""
+        first) and of `block_ids` under `parent` as a new leaf, taking the blocks; locked
+        (with its path) if `lock`."""
         bb = self._block_bytes
         child_key = key[pos : pos + bb]
         if parent.num_partial_children:
@@ -410,10 +434,47 @@ class RadixTree:
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
             del self._lru[parent.stamp]
         self._add_child(parent, leaf)
-        self._lru[leaf.stamp] = leaf
         self.num_blocks += len(taken)
-        self.num_evictable_blocks += len(taken)
+        if lock:
+            leaf.lock_count = 1
+            self.lock(parent)  # a root's lock() is a no-op
+        else:
+            self._lru[leaf.stamp] = leaf
+            self.num_evictable_blocks += len(taken)
         return leaf
+
+    def _extend_leaf(
+        self,
+        leaf: RadixNode,
+        key: TokenKey,
+        pos: int,
+        block_ids: Sequence[BlockId],
+        transfer: bool,
+        lock: bool,
+    ) -> int:
+        """Append the rest of `key` (from byte `pos`, where `leaf` ends on a block boundary)
+        and of `block_ids` to the unlocked leaf itself instead of hanging a one-child chain
+        under it: the same prefixes with one node fewer to match, stamp and evict. The leaf
+        is stamped as just used unless it already is the most recent (or it is locked, with
+        `lock`: unlocking stamps it). Returns how many blocks it took."""
+        bb = self._block_bytes
+        taken = block_ids[pos // bb :]
+        if not transfer:
+            self._allocator.incref_all(taken)
+        leaf.tokens += key[pos:]
+        leaf.block_ids.extend(taken)
+        num_taken = len(taken)
+        self.num_blocks += num_taken
+        self.num_evictable_blocks += num_taken
+        if lock:
+            self.lock(leaf)
+            return num_taken
+        lru = self._lru
+        if lru.peekitem(-1)[1] is not leaf:
+            del lru[leaf.stamp]
+            leaf.stamp = self._tick()
+            lru[leaf.stamp] = leaf
+        return num_taken
 
     def _drop_superseded_partials(self, parent: RadixNode, child_key: TokenKey) -> None:
         """Remove unlocked partial leaves whose tokens `child_key` extends: it holds them too."""

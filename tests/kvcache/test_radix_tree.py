@@ -294,8 +294,32 @@ def test_insert_key_resumes_below_a_node_with_only_what_follows_it() -> None:
     allocator, tree = make(num_blocks=8, block_size=2)
     cache(allocator, tree, [1, 2, 3, 4])
     node = _node(tree, (1, 2, 3, 4))
+    tree.lock(node)  # a live sequence uses it: the new tokens hang below it
     (tail,) = allocator.allocate(1) or []
     result = tree.insert_key(encode_tokens([5, 6]), [tail], None, start=node)
     assert (result.num_blocks, result.num_new_blocks) == (3, 1)  # counted from block 0
     assert result.node is not None and result.node.parent is node
     assert (result.node.start, result.node.token_ids, result.node.block_ids) == (4, (5, 6), [2])
+    assert lru_tokens(tree) == [(5, 6)]
+    tree.check_invariants()
+
+
+def test_insert_extends_an_unlocked_leaf_in_place_and_stamps_it_as_just_used() -> None:
+    allocator, tree = make(num_blocks=8, block_size=2)
+    cache(allocator, tree, [1, 2, 3, 4])  # b0 b1
+    cache(allocator, tree, [7, 8])  # b2, more recent
+    leaf = _node(tree, (1, 2, 3, 4))
+    assert lru_tokens(tree) == [(1, 2, 3, 4), (7, 8)]
+    extended = cache(allocator, tree, [1, 2, 3, 4, 5, 6, 9])  # b6 partial
+    assert extended == b(3, 4, 5, 6)
+    assert shape(tree) == [(0, (1, 2, 3, 4, 5, 6, 9), b(0, 1, 5, 6)), (0, (7, 8), b(2))]
+    assert _node(tree, (1, 2, 3, 4, 5, 6, 9)) is leaf  # no new node
+    assert lru_tokens(tree) == [(7, 8), (1, 2, 3, 4, 5, 6, 9)]
+    assert sorted(allocator.free_block_ids()[:3]) == b(3, 4, 7)  # b3 b4 were duplicates
+    assert tree.num_blocks == tree.num_evictable_blocks == 5
+    match = tree.match_prefix([1, 2, 3, 4, 5, 6, 9, 10], None)
+    assert (match.block_ids, match.partial_block_id, match.num_tokens) == (b(0, 1, 5), 6, 7)
+    assert tree.evict(2) == 2  # [7 8] first, then the extended leaf's tail
+    assert shape(tree) == [(0, (1, 2, 3, 4, 5, 6), b(0, 1, 5))]
+    tree.check_invariants()
+    allocator.check_invariants([1 if i in (0, 1, 5) else 0 for i in range(8)])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from radixkv.kvcache.admission import Admission
 from radixkv.kvcache.block_allocator import BlockAllocator
@@ -174,6 +174,30 @@ class KVCacheManager:
             return NO_GROWTH
         return self._grow_slow(seq, num_tokens)
 
+    def grow_each(self, seq_ids: Iterable[SeqId], num_tokens: int = 1) -> list[Growth | None]:
+        """`grow` every sequence of `seq_ids` in turn by `num_tokens` (a decode step: one
+        token each) in one call; answer i is what `grow(seq_ids[i], num_tokens)` returns after
+        the earlier ones. Each grow is all or nothing on its own: a None leaves that sequence
+        unchanged, the others grown. Raises UnknownSequenceError (growing none) if one of them
+        is not live, InvalidTokensError if num_tokens < 0.
+        """
+        try:
+            seqs = list(map(self._seqs.__getitem__, seq_ids))
+        except KeyError as e:
+            raise UnknownSequenceError(f"sequence {e.args[0]} is not live") from None
+        if num_tokens <= 0:
+            return [self._grow_slow(seq, num_tokens) for seq in seqs]
+        growths: list[Growth | None] = []
+        append = growths.append
+        for seq in seqs:  # grow's fast path, inlined
+            new_len = seq.num_tokens + num_tokens
+            if new_len <= seq.writable_len:
+                seq.num_tokens = new_len
+                append(NO_GROWTH)
+            else:
+                append(self._grow_slow(seq, num_tokens))
+        return growths
+
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Start `child_id` as a copy of `parent_id`: same table (every block shared), same
         length, its own lock on the parent's lock node (which holds the cached prefix; the
@@ -226,9 +250,13 @@ class KVCacheManager:
         num_full = len(token_ids) // bs
         if num_full <= seq.num_cached_blocks:
             return []
-        key = self._key(seq, token_ids, num_full * bs)
+        self._know(seq, token_ids, num_full * bs)
+        if seq.family is not None:
+            num_full = self._insertable(seq, seq.key, num_full * bs) // bs
+            if num_full <= seq.num_cached_blocks:
+                return []
         table = seq.block_ids
-        result = self._insert(seq, key, table[:num_full])
+        result = self._insert(seq, num_full * bs, table[:num_full])
         # its first result.num_blocks blocks are now on its lock path: from here on it holds
         # them through the lock; it drops its own references to them (a duplicate's own copy
         # is freed), except to those the tree took over
@@ -258,6 +286,10 @@ class KVCacheManager:
                 f"sequence {seq_id} has {seq.num_tokens} tokens, cannot cache {len(token_ids)}"
             )
         num_tokens = len(token_ids) if token_ids is not None else 0
+        if token_ids and seq.family is not None and self.enable_prefix_caching:
+            # a forked sequence may insert fewer (never none: see _insertable)
+            key = self._packed(seq, token_ids, 0, num_tokens)
+            num_tokens = self._insertable(seq, key, num_tokens)
         del self._seqs[seq_id]
         tree = self.tree
         start = seq.resume_point(self.block_size, num_tokens)
@@ -341,16 +373,13 @@ class KVCacheManager:
         except KeyError:
             raise UnknownSequenceError(f"sequence {seq_id} is not live") from None
 
-    def _key(self, seq: SequenceBlocks, token_ids: Sequence[int], num_tokens: int) -> TokenKey:
-        """The packed first `num_tokens` of `token_ids`, which extend the sequence's known
-        tokens: only tokens beyond `seq.key` are packed (and remembered)."""
-        key = seq.key
-        num_known = len(key) // TOKEN_BYTES
-        if num_tokens <= num_known:
-            return key if num_tokens == num_known else key[: num_tokens * TOKEN_BYTES]
-        seq.check_extends(token_ids)
-        seq.key = key = key + encode_tokens(token_ids[num_known:num_tokens])
-        return key
+    def _know(self, seq: SequenceBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Make `seq.key` hold at least the first `num_tokens` of `token_ids`, which extend
+        the sequence's known tokens: only tokens beyond it are packed."""
+        num_known = len(seq.key) // TOKEN_BYTES
+        if num_tokens > num_known:
+            seq.check_extends(token_ids)
+            seq.key += encode_tokens(token_ids[num_known:num_tokens])
 
     def _packed(
         self, seq: SequenceBlocks, token_ids: Sequence[int], start: int, end: int
@@ -365,37 +394,77 @@ class KVCacheManager:
             return encode_tokens(token_ids[start:end])
         return key[start * TOKEN_BYTES :] + encode_tokens(token_ids[num_known:end])
 
-    def _insert(self, seq: SequenceBlocks, key: TokenKey, block_ids: list[BlockId]) -> InsertResult:
-        """Insert, moving the sequence's lock to the deepest node holding its tokens.
+    def _insert(
+        self, seq: SequenceBlocks, num_tokens: int, block_ids: list[BlockId]
+    ) -> InsertResult:
+        """Insert the sequence's first `num_tokens` (known: see `_know`), moving its lock to
+        the deepest node holding its tokens.
 
         The old lock is released first so that the insertion may replace a partial leaf the
-        sequence was copying from (nothing is evicted meanwhile).
+        sequence was copying from (nothing is evicted meanwhile). The insertion takes the
+        lock on the node it ends at, unless the old lock was deeper on that path (a forked
+        relative's insertion moved it there): then that one is kept.
         """
         tree = self.tree
         old = seq.lock_node
-        start = seq.resume_point(self.block_size, len(key) // TOKEN_BYTES)
+        start = seq.resume_point(self.block_size, num_tokens)
         if old is not None:
             tree.unlock(old, seq.uses_lock_node(self.block_size))
-        if start is None:
-            result = tree.insert_key(key, block_ids, seq.salt, None, transfer=True)
-        else:
-            base = start.end
-            result = tree.insert_key(
-                key[base * TOKEN_BYTES :],
-                block_ids[base // self.block_size :],
-                seq.salt,
-                start,
-                transfer=True,
-            )
+        base = start.end if start is not None else 0
+        result = tree.insert_key(
+            seq.key[base * TOKEN_BYTES : num_tokens * TOKEN_BYTES],
+            block_ids[base // self.block_size :],
+            seq.salt,
+            start,
+            transfer=True,
+            lock=True,
+        )
         node = result.node
-        if old is not None and old.parent is not None and (
-            node is None or old.is_below(node)
+        if (
+            old is not None
+            and old is not node
+            and old.parent is not None
+            and (node is None or old.is_below(node))
         ):
-            node = old  # a relative's insertion already took us deeper on this path
-        if node is not None:
-            tree.lock(node)
+            tree.lock(old)
+            if node is not None:
+                tree.unlock(node)  # its path is in use: stamping it so is right
+            node = old
         seq.lock_node = node
         return result
+
+    def _insertable(self, seq: SequenceBlocks, key: TokenKey, num_tokens: int) -> int:
+        """How many of a forked sequence's first `num_tokens` tokens (packed from the first in
+        `key`) it may insert: all of them, or only the full blocks the tree already holds.
+
+        Where the tree holds some of those full blocks' tokens in other blocks (computed
+        twice), inserting switches the sequence to the tree's copies, but a relative keeps
+        its own. If a relative's own copy is itself a tree block (on another branch, e.g. a
+        partial leaf) and it shares the blocks that follow, hanging those below the tree's
+        path would leave it holding tree blocks on two branches, which its one lock cannot
+        both cover (evicting the other branch would free a block it still reads).
+        """
+        bs = self.block_size
+        tree_blocks = self.tree.match_key(key, seq.salt, num_tokens).block_ids
+        num_held = len(tree_blocks)
+        table = seq.block_ids
+        if num_held * bs >= num_tokens or table[:num_held] == tree_blocks:
+            return num_tokens
+        taken = table[num_held : -(-num_tokens // bs)]
+        assert seq.family is not None
+        for relative_id in seq.family:
+            relative = self._seqs[relative_id]
+            if relative is seq or relative.lock_node is None:
+                continue
+            theirs = relative.block_ids
+            if not any(a == b for a, b in zip(theirs[num_held:], taken, strict=False)):
+                continue
+            # the tree blocks it holds lie on its lock path, at their index in its table
+            on_path = [block for node in relative.lock_node.path() for block in node.block_ids]
+            for index, block in enumerate(theirs[: min(num_held, len(on_path))]):
+                if block == on_path[index] and block != tree_blocks[index]:
+                    return num_held * bs
+        return num_tokens
 
     def _relock_relatives(self, seq_id: SeqId, seq: SequenceBlocks, result: InsertResult) -> None:
         """The tree just took blocks of `seq` that forked relatives may share: move each such

@@ -227,6 +227,52 @@ def test_grow_is_all_or_nothing_and_evicts_as_needed() -> None:
     kv.check_invariants()
 
 
+def test_grow_each_is_grow_in_turn_each_all_or_nothing() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    kv.admit(s(0), [1, 2, 3], None)  # block 0, one free slot
+    kv.admit(s(1), [5, 6, 7, 8], None)  # block 1, full
+    kv.fork(s(1), s(2))  # shares block 1
+    kv.admit(s(3), [9], None)  # block 2
+    assert kv.grow_each([s(0), s(1), s(2), s(3)], 1) == [
+        NO_GROWTH,
+        Growth((BlockId(3),)),
+        Growth((BlockId(4),)),
+        NO_GROWTH,
+    ]
+    assert [kv.num_tokens(s(i)) for i in range(4)] == [4, 5, 5, 2]
+    # the pool is full: s(0) needs a block and gets none, s(3) still has room
+    assert kv.grow_each([s(0), s(3)], 1) == [None, NO_GROWTH]
+    assert [kv.num_tokens(s(0)), kv.num_tokens(s(3))] == [4, 3]
+    assert kv.block_ids(s(0)) == b(0)
+    with pytest.raises(UnknownSequenceError):
+        kv.grow_each([s(3), s(9)], 1)
+    assert kv.num_tokens(s(3)) == 3  # none grown
+    with pytest.raises(InvalidTokensError):
+        kv.grow_each([s(3)], -1)
+    assert kv.grow_each([s(3)], 0) == [NO_GROWTH]
+    kv.check_invariants()
+
+
+def test_caching_as_a_sequence_decodes_extends_its_own_leaf(kv: KVCacheManager) -> None:
+    tokens = [1, 2, 3, 4, 5, 6]
+    kv.admit(s(0), tokens, None)  # blocks 0 1
+    kv.cache(s(0), tokens)  # after prefill: block 0
+    assert tree_shape(kv) == [(0, (1, 2, 3, 4), b(0), 1)]
+    (leaf,) = kv.tree.nodes(None)
+    assert kv.tree.lru_order() == []  # locked by s(0), never entered the LRU order
+    for token in (7, 8, 9, 10, 11, 12, 13):  # decode; cache each block it fills
+        kv.grow(s(0), 1)
+        tokens.append(token)
+        kv.cache(s(0), tokens)
+    assert tree_shape(kv) == [(0, tuple(range(1, 13)), b(0, 1, 2), 1)]  # one node
+    assert next(iter(kv.tree.nodes(None))) is leaf
+    assert kv.tree.lru_order() == []
+    kv.free(s(0), tokens)
+    assert tree_shape(kv) == [(0, tuple(range(1, 14)), b(0, 1, 2, 3), 0)]
+    assert kv.tree.lru_order() == [leaf]
+    kv.check_invariants()
+
+
 def test_partial_tail_upgrade_through_a_continuing_conversation(kv: KVCacheManager) -> None:
     turn1 = SYSTEM + [1, 2, 3, 4, 5]  # 15 tokens: 3 full blocks + 3-token tail
     kv.admit(s(0), turn1, None)
@@ -285,6 +331,68 @@ def test_a_relative_locks_the_blocks_its_forked_sibling_caches(kv: KVCacheManage
     kv.free(s(1))
     assert kv.reset_prefix_cache() == 4
     assert kv.num_free_blocks == 16
+    kv.check_invariants()
+
+
+def test_a_relative_holding_a_partial_leaf_keeps_it_locked_when_a_sibling_dedupes() -> None:
+    """Found by the stateful test: a forked sequence whose block the tree also holds in a
+    fuller copy must not hang the blocks it shares with a relative below that copy while the
+    relative reads its own, cached (partial leaf) copy: one lock cannot cover both."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = [1, 1, 1, 1, 2, 2, 2, 2, 3]
+    kv.admit(s(0), prompt, None)  # blocks 0 1 2
+    kv.fork(s(0), s(1))
+    kv.fork(s(0), s(2))
+    kv.free(s(0), prompt[:6])  # caches [1 1 1 1 | 2 2]: block 1 partially
+    assert tree_shape(kv) == [(0, (1, 1, 1, 1, 2, 2), b(0, 1), 2)]
+    other = [1, 1, 1, 1, 2, 2, 2, 2, 7]
+    admission = kv.admit(s(3), other, None)  # copies block 1 into 3
+    assert admission is not None and admission.block_ids == b(0, 3, 4)
+    kv.cache(s(3), other)  # splits off the partial leaf [2 2], next to the fuller [2 2 2 2]
+    kv.free(s(3))
+    assert tree_shape(kv) == [
+        (0, (1, 1, 1, 1), b(0), 2),
+        (4, (2, 2), b(1), 2),
+        (4, (2, 2, 2, 2), b(3), 0),
+    ]
+    kv.free(s(2), prompt)  # its block 1 duplicates block 3; block 2 stays out of the tree
+    assert tree_shape(kv) == [
+        (0, (1, 1, 1, 1), b(0), 1),
+        (4, (2, 2), b(1), 1),
+        (4, (2, 2, 2, 2), b(3), 0),
+    ]
+    assert refcounts(kv, 0, 1, 2, 3) == [2, 2, 1, 1]  # s(1)'s own 1 and 2, the tree's 0 1 3
+    kv.check_invariants()
+    assert kv.reset_prefix_cache() == 1  # block 3; s(1)'s locked path stays
+    kv.free(s(1), prompt)
+    assert tree_shape(kv) == [
+        (0, (1, 1, 1, 1), b(0), 0),
+        (4, (2, 2, 2, 2, 3), b(1, 2), 0),
+    ]
+    kv.check_invariants()
+
+
+def test_caching_keeps_a_lock_a_relative_moved_deeper() -> None:
+    """Found by the stateful test: a sequence whose relative cached their shared blocks holds
+    its lock below its own cached blocks; caching them must not move it back up."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = [1, 1, 0, 1, 2, 1, 0]
+    kv.admit(s(0), prompt, None)  # blocks 0 1
+    kv.admit(s(1), prompt, None)  # blocks 2 3: computed twice, nothing cached yet
+    kv.fork(s(0), s(2))
+    kv.fork(s(1), s(3))
+    kv.free(s(1), prompt[:4])  # caches [1 1 0 1] in block 2, which s(3) locks
+    kv.free(s(0), prompt)  # block 0 duplicates block 2; the tree takes block 1 ...
+    assert tree_shape(kv) == [(0, (1, 1, 0, 1), b(2), 2), (4, (2, 1, 0), b(1), 1)]
+    assert kv.block_ids(s(2)) == b(0, 1)  # ... which s(2) shares: its lock moved below
+    kv.cache(s(2), prompt)  # switches to the tree's block 2
+    assert kv.block_ids(s(2)) == b(2, 1)
+    assert tree_shape(kv) == [(0, (1, 1, 0, 1), b(2), 2), (4, (2, 1, 0), b(1), 1)]
+    kv.check_invariants()
+    kv.free(s(3))
+    assert kv.reset_prefix_cache() == 0  # s(2) still reads both
+    kv.free(s(2), prompt)
+    assert kv.reset_prefix_cache() == 2
     kv.check_invariants()
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixkv.kvcache import BlockId, KVCacheManager, Salt, SeqId
+from radixkv.kvcache import BlockId, Growth, KVCacheManager, Salt, SeqId
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -132,6 +132,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, "a failed grow changed something"
             event("grow: no blocks")
             return
+        self.apply_growth(seq_id, growth, (new * num_tokens + [0] * num_tokens)[:num_tokens])
+
+    def apply_growth(self, seq_id: SeqId, growth: Growth, new: list[int]) -> None:
+        """Play the worker for a grow that appended `new` tokens."""
         if growth.replaced:
             event("grow: copy-on-write")
         table = self.tables[seq_id]
@@ -146,8 +150,19 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.fresh(block_id, self.salts[seq_id])
             table.append(block_id)
         start = len(self.tokens[seq_id])
-        self.tokens[seq_id] += (new * num_tokens + [0] * num_tokens)[:num_tokens]
+        self.tokens[seq_id] += new
         self.write(seq_id, start)
+
+    @precondition(lambda self: self.tables)
+    @rule(new=st.integers(0, 2))
+    def decode_step(self, new: int) -> None:
+        """Every live sequence grows by one token in one `grow_each` call."""
+        seq_ids = sorted(self.tables)
+        for seq_id, growth in zip(seq_ids, self.kv.grow_each(seq_ids, 1), strict=True):
+            if growth is None:
+                event("decode_step: no block for one")
+                continue
+            self.apply_growth(seq_id, growth, [new])
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())

@@ -11,9 +11,17 @@ of admitted again). `gen` also writes <out>.meta.json with its parameters and se
 The replay is a fixed simulation, single thread: FCFS; at most --max-running sequences; each
 step admits waiting requests while it can (`admit` matches the prompt minus its last token and
 allocates the rest), then every running sequence grows by one output token, and sequences
-whose outputs are complete are cached and freed (`free` with all their tokens). When a grow
-finds no block, the newest running request is preempted (freed with its tokens, requeued at
-the front, restarted). The last output line is JSON.
+whose outputs are complete are cached and freed (`free` with all their tokens). An admitted
+prompt's prefill happens in the step that admits it, so its full blocks are cached right away
+(`cache`), as the engine's scheduler does after every prefill chunk (and SGLang's radix cache
+and vLLM's prefix cache do after prefill): a request admitted later, in the same step or not,
+hits them while the first is still running. `--cache-at-finish-only` skips that, caching a
+sequence only when it finishes. When a grow finds no block, the newest running request is
+preempted (freed with its tokens, requeued at the front, restarted).
+
+Wall-clock time on a shared machine varies from run to run (+-20% here), so the replay runs
+`--repeat` times (default 5), each time on a fresh manager; `requests_per_s` is the median
+run's, every run's rate is listed. The last output line is JSON.
 """
 
 from __future__ import annotations
@@ -32,10 +40,9 @@ from array import array
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from pathlib import Path
 
-from radixkv.kvcache import KVCacheManager, SeqId
+from radixkv.kvcache import KVCacheManager, KVCacheStats, SeqId
 
 VOCAB_SIZE = 32_000
 
@@ -147,15 +154,16 @@ def replay(
     requests: list[TraceRequest],
     max_running: int,
     check_every: int = 0,
+    cache_prompts: bool = True,
 ) -> ReplayResult:
     """Run the fixed simulation to completion; see the module docstring."""
-    admit, fork, grow, free = manager.admit, manager.fork, manager.grow, manager.free
+    admit, fork, grow_each, free = manager.admit, manager.fork, manager.grow_each, manager.free
+    cache = manager.cache if cache_prompts else None
     num_blocks = manager.num_blocks
     waiting: deque[int] = deque(range(len(requests)))
     running: list[SeqId] = []  # admission order: the newest last
     live: dict[SeqId, tuple[TokenIds, int]] = {}  # seq -> (all its tokens, request)
     finish_at: defaultdict[int, list[SeqId]] = defaultdict(list)  # step -> seqs done after it
-    ones = repeat(1)
     next_seq_id = step = num_sequences = peak = num_preemptions = 0
     start = time.perf_counter()
     cpu_start = time.process_time()
@@ -170,6 +178,8 @@ def replay(
             if admit(leader, request.prompt, None) is None:
                 break
             waiting.popleft()
+            if cache is not None:  # its prefill is this step: later admissions may hit it
+                cache(leader, request.prompt)
             for sample in range(group_size):
                 seq_id = SeqId(next_seq_id + sample)
                 if sample:
@@ -183,7 +193,7 @@ def replay(
             raise SystemExit(
                 f"request {requests[waiting[0]].request_id} does not fit in an empty pool"
             )
-        grown = list(map(grow, running, ones))  # every running sequence: one more token
+        grown = grow_each(running, 1)  # every running sequence: one more token
         if not all(grown):  # a Growth is always truthy, a failed grow is None
             num_preemptions += _grow_with_preemption(manager, running, grown, live, waiting)
         done = finish_at.pop(step, None)
@@ -243,27 +253,38 @@ def run_replay(args: argparse.Namespace) -> dict[str, object]:
         "num_blocks": num_blocks,
         "max_running": args.max_running,
         "token_ids": "tuple" if args.tuples else "array('I')",
+        "cache_prompts": not args.cache_at_finish_only,
+        "repeat": 1 if args.profile else args.repeat,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "date": datetime.date.today().isoformat(),
     }
     print("config: " + json.dumps(config), flush=True)
     requests = load_trace(trace, packed=not args.tuples)
-    manager = KVCacheManager(num_blocks, args.block_size)
-    profiler = cProfile.Profile() if args.profile else None
-    if profiler is not None:
-        profiler.enable()
-    result = replay(manager, requests, args.max_running, args.check_every)
-    if profiler is not None:
-        profiler.disable()
-        stats = pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime")
-        stats.print_stats(25)
-    manager.check_invariants()
-    kv = manager.stats()
+    runs: list[tuple[ReplayResult, KVCacheStats]] = []
+    for _ in range(1 if args.profile else args.repeat):
+        manager = KVCacheManager(num_blocks, args.block_size)
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler is not None:
+            profiler.enable()
+        result = replay(
+            manager, requests, args.max_running, args.check_every, not args.cache_at_finish_only
+        )
+        if profiler is not None:
+            profiler.disable()
+            stats = pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime")
+            stats.print_stats(25)
+        manager.check_invariants()
+        runs.append((result, manager.stats()))
+    outcomes = {(kv.hit_tokens, kv.evicted_blocks, run.num_steps) for run, kv in runs}
+    assert len(outcomes) == 1, f"the replay is deterministic, but runs differ: {outcomes}"
+    # the median run (of two middle ones, the slower)
+    result, kv = sorted(runs, key=lambda run: run[0].elapsed_s)[len(runs) // 2]
     summary: dict[str, object] = {
         "requests_per_s": round(len(requests) / result.elapsed_s, 1),
         "requests_per_cpu_s": round(len(requests) / result.cpu_s, 1),
         "sequences_per_s": round(result.num_sequences / result.elapsed_s, 1),
+        "requests_per_s_runs": [round(len(requests) / run.elapsed_s, 1) for run, _ in runs],
         "hit_rate": round(kv.hit_rate, 4),
         "evicted_blocks": kv.evicted_blocks,
         "peak_blocks_used": result.peak_blocks_used,
@@ -309,7 +330,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--check-every", type=int, default=0, help="check invariants every N steps")
-    parser.add_argument("--profile", action="store_true", help="cProfile the replay (slower)")
+    parser.add_argument("--profile", action="store_true", help="cProfile one replay (slower)")
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="replays to run; the median one is reported"
+    )
+    parser.add_argument(
+        "--cache-at-finish-only",
+        action="store_true",
+        help="do not cache admitted prompts; cache sequences only when they finish",
+    )
     parser.add_argument("--json-out", help="also write the summary JSON to this file")
     parser.add_argument(
         "--tuples",
@@ -317,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         help="hold token ids as tuples of ints instead of array('I') (see load_trace)",
     )
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     print(json.dumps(run_replay(args)))
 
 

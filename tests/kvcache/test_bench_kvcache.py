@@ -48,3 +48,28 @@ def test_gen_then_replay(tmp_path: Path, n_samples: int) -> None:
                            "--tuples")[-1])
     for field in ("hit_rate", "evicted_blocks", "peak_blocks_used", "num_steps"):
         assert again[field] == summary[field]  # the replay is deterministic
+
+
+def test_admitted_prompts_are_cached_for_later_admissions(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    run("gen", "--out", str(trace), "--num-requests", "40", "--num-system-prompts", "2")
+    common = ("--trace", str(trace), "--kv-tokens", "16384", "--max-running", "8")
+    default = json.loads(run(*common, "--repeat", "3")[-1])
+    assert default["config"]["cache_prompts"] is True and default["config"]["repeat"] == 3
+    assert len(default["requests_per_s_runs"]) == 3
+    assert default["requests_per_s"] == sorted(default["requests_per_s_runs"])[1]  # median
+    at_finish = json.loads(run(*common, "--repeat", "1", "--cache-at-finish-only")[-1])
+    assert at_finish["config"]["cache_prompts"] is False
+    # the first requests of each system prompt run together: with prompts cached once
+    # admitted, all but the very first of them hit the system prompt
+    assert default["hit_tokens"] > at_finish["hit_tokens"]
+    assert default["queried_tokens"] == at_finish["queried_tokens"]
+
+
+def test_repeat_must_be_positive(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--trace", str(tmp_path / "none.jsonl"), "--repeat", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--repeat must be >= 1" in done.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from radixkv.kvcache.ids import BlockId
@@ -22,3 +23,20 @@ class InsertResult(NamedTuple):
     num_blocks: int
     num_new_blocks: int
     duplicates: list[tuple[int, BlockId]]
+
+
+def note_duplicates(
+    tree_block_ids: list[BlockId],
+    block_ids: Sequence[BlockId],
+    first: int,
+    base_block: int,
+    duplicates: list[tuple[int, BlockId]],
+) -> None:
+    """Append to `duplicates` each (logical index, tree block) where the tree holds the
+    caller's blocks `first`.. (counted from `base_block`) in other blocks than its own."""
+    ours = list(block_ids[first : first + len(tree_block_ids)])
+    if ours == tree_block_ids:
+        return
+    for offset, tree_block_id in enumerate(tree_block_ids):
+        if ours[offset] != tree_block_id:
+            duplicates.append((base_block + first + offset, tree_block_id))

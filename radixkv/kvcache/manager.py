@@ -7,13 +7,14 @@ from collections.abc import Iterable, Sequence
 from radixkv.kvcache.admission import Admission
 from radixkv.kvcache.block_allocator import BlockAllocator
 from radixkv.kvcache.errors import InvalidTokensError, SequenceExistsError, UnknownSequenceError
+from radixkv.kvcache.family import grow_forked, insertable_len, relock_relatives
 from radixkv.kvcache.growth import NO_GROWTH, Growth
 from radixkv.kvcache.ids import BlockCopy, BlockId, Salt, SeqId
 from radixkv.kvcache.invariants import check_manager_invariants
 from radixkv.kvcache.radix_tree import InsertResult, RadixTree
 from radixkv.kvcache.sequence_blocks import SequenceBlocks
 from radixkv.kvcache.stats import KVCacheStats
-from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, encode_tokens
+from radixkv.kvcache.token_key import TOKEN_BYTES, encode_tokens
 
 MAX_EVICTION_BATCH = 16
 """When an allocation must evict, it evicts at least min(16, num_blocks // 256) blocks: the
@@ -250,9 +251,9 @@ class KVCacheManager:
         num_full = len(token_ids) // bs
         if num_full <= seq.num_cached_blocks:
             return []
-        self._know(seq, token_ids, num_full * bs)
+        seq.know(token_ids, num_full * bs)
         if seq.family is not None:
-            num_full = self._insertable(seq, seq.key, num_full * bs) // bs
+            num_full = insertable_len(self.tree, self._seqs, seq, seq.key, num_full * bs, bs) // bs
             if num_full <= seq.num_cached_blocks:
                 return []
         table = seq.block_ids
@@ -270,7 +271,7 @@ class KVCacheManager:
             allocator.decref(own)
         seq.num_cached_blocks = end
         if result.num_new_blocks and seq.family is not None:
-            self._relock_relatives(seq_id, seq, result)
+            relock_relatives(self.tree, self._seqs, seq_id, seq, result, self.block_size)
         return replaced
 
     def free(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> None:
@@ -287,9 +288,11 @@ class KVCacheManager:
             )
         num_tokens = len(token_ids) if token_ids is not None else 0
         if token_ids and seq.family is not None and self.enable_prefix_caching:
-            # a forked sequence may insert fewer (never none: see _insertable)
-            key = self._packed(seq, token_ids, 0, num_tokens)
-            num_tokens = self._insertable(seq, key, num_tokens)
+            # a forked sequence may insert fewer (never none: see insertable_len)
+            key = seq.packed(token_ids, 0, num_tokens)
+            num_tokens = insertable_len(
+                self.tree, self._seqs, seq, key, num_tokens, self.block_size
+            )
         del self._seqs[seq_id]
         tree = self.tree
         start = seq.resume_point(self.block_size, num_tokens)
@@ -301,7 +304,7 @@ class KVCacheManager:
             base = start.end if start is not None else 0
             num_blocks = -(-num_tokens // self.block_size)
             result = tree.insert_key(
-                self._packed(seq, token_ids, base, num_tokens),
+                seq.packed(token_ids, base, num_tokens),
                 table[base // self.block_size : num_blocks],
                 seq.salt,
                 start,
@@ -309,7 +312,7 @@ class KVCacheManager:
             )
             if result.num_new_blocks:
                 if seq.family is not None:
-                    self._relock_relatives(seq_id, seq, result)
+                    relock_relatives(self.tree, self._seqs, seq_id, seq, result, self.block_size)
                 # the tree took over our references to those blocks: release the others
                 taken_from = result.num_blocks - result.num_new_blocks
                 own = table[seq.num_cached_blocks : taken_from] + table[result.num_blocks :]
@@ -373,32 +376,11 @@ class KVCacheManager:
         except KeyError:
             raise UnknownSequenceError(f"sequence {seq_id} is not live") from None
 
-    def _know(self, seq: SequenceBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Make `seq.key` hold at least the first `num_tokens` of `token_ids`, which extend
-        the sequence's known tokens: only tokens beyond it are packed."""
-        num_known = len(seq.key) // TOKEN_BYTES
-        if num_tokens > num_known:
-            seq.check_extends(token_ids)
-            seq.key += encode_tokens(token_ids[num_known:num_tokens])
-
-    def _packed(
-        self, seq: SequenceBlocks, token_ids: Sequence[int], start: int, end: int
-    ) -> TokenKey:
-        """Tokens start..end of `token_ids` packed, reusing `seq.key` (not extended)."""
-        key = seq.key
-        num_known = len(key) // TOKEN_BYTES
-        if end <= num_known:
-            return key[start * TOKEN_BYTES : end * TOKEN_BYTES]
-        seq.check_extends(token_ids)
-        if start >= num_known:
-            return encode_tokens(token_ids[start:end])
-        return key[start * TOKEN_BYTES :] + encode_tokens(token_ids[num_known:end])
-
     def _insert(
         self, seq: SequenceBlocks, num_tokens: int, block_ids: list[BlockId]
     ) -> InsertResult:
-        """Insert the sequence's first `num_tokens` (known: see `_know`), moving its lock to
-        the deepest node holding its tokens.
+        """Insert the sequence's first `num_tokens` (packed in its key: see
+        `SequenceBlocks.know`), moving its lock to the deepest node holding its tokens.
 
         The old lock is released first so that the insertion may replace a partial leaf the
         sequence was copying from (nothing is evicted meanwhile). The insertion takes the
@@ -433,62 +415,6 @@ class KVCacheManager:
         seq.lock_node = node
         return result
 
-    def _insertable(self, seq: SequenceBlocks, key: TokenKey, num_tokens: int) -> int:
-        """How many of a forked sequence's first `num_tokens` tokens (packed from the first in
-        `key`) it may insert: all of them, or only the full blocks the tree already holds.
-
-        Where the tree holds some of those full blocks' tokens in other blocks (computed
-        twice), inserting switches the sequence to the tree's copies, but a relative keeps
-        its own. If a relative's own copy is itself a tree block (on another branch, e.g. a
-        partial leaf) and it shares the blocks that follow, hanging those below the tree's
-        path would leave it holding tree blocks on two branches, which its one lock cannot
-        both cover (evicting the other branch would free a block it still reads).
-        """
-        bs = self.block_size
-        tree_blocks = self.tree.match_key(key, seq.salt, num_tokens).block_ids
-        num_held = len(tree_blocks)
-        table = seq.block_ids
-        if num_held * bs >= num_tokens or table[:num_held] == tree_blocks:
-            return num_tokens
-        taken = table[num_held : -(-num_tokens // bs)]
-        assert seq.family is not None
-        for relative_id in seq.family:
-            relative = self._seqs[relative_id]
-            if relative is seq or relative.lock_node is None:
-                continue
-            theirs = relative.block_ids
-            if not any(a == b for a, b in zip(theirs[num_held:], taken, strict=False)):
-                continue
-            # the tree blocks it holds lie on its lock path, at their index in its table
-            on_path = [block for node in relative.lock_node.path() for block in node.block_ids]
-            for index, block in enumerate(theirs[: min(num_held, len(on_path))]):
-                if block == on_path[index] and block != tree_blocks[index]:
-                    return num_held * bs
-        return num_tokens
-
-    def _relock_relatives(self, seq_id: SeqId, seq: SequenceBlocks, result: InsertResult) -> None:
-        """The tree just took blocks of `seq` that forked relatives may share: move each such
-        relative's lock down to the node holding them, so its tree blocks stay locked."""
-        node = result.node
-        assert node is not None and seq.family is not None
-        first = result.num_blocks - result.num_new_blocks
-        taken = seq.block_ids[first : result.num_blocks]
-        tree = self.tree
-        for relative_id in sorted(seq.family):
-            if relative_id == seq_id:
-                continue
-            relative = self._seqs[relative_id]
-            theirs = relative.block_ids[first : result.num_blocks]
-            if not any(a == b for a, b in zip(theirs, taken, strict=False)):
-                continue
-            old = relative.lock_node
-            if old is not None and old.is_below(node):
-                continue
-            tree.lock(node)
-            if old is not None:
-                tree.unlock(old, relative.uses_lock_node(self.block_size))
-            relative.lock_node = node
-
     def _grow_slow(self, seq: SequenceBlocks, num_tokens: int) -> Growth | None:
         if num_tokens <= 0:
             if num_tokens < 0:
@@ -521,40 +447,7 @@ class KVCacheManager:
             seq.writable_len = len(table) * bs
             # tuple.__new__ skips the NamedTuple constructor's Python frame (a hot path)
             return tuple.__new__(Growth, (new_ids, (), ()))
-        return self._grow_forked(seq, new_len, max(0, num_new))
-
-    def _grow_forked(self, seq: SequenceBlocks, new_len: int, num_new: int) -> Growth | None:
-        """Grow a sequence that may share blocks from its write frontier on (after a fork):
-        each shared one it will write into is first replaced by a private copy."""
-        bs = self.block_size
-        allocator = self.allocator
-        table = seq.block_ids
-        length = seq.num_tokens
-        refcount = allocator.refcount
-        to_copy = [i for i in range(length // bs, len(table)) if refcount(table[i]) > 1]
-        if len(to_copy) + num_new > allocator.num_free_blocks and not self._evict_for(
-            len(to_copy) + num_new
-        ):
-            return None
-        replaced: list[tuple[int, BlockId]] = []
-        copies: list[BlockCopy] = []
-        for index in to_copy:
-            written = allocator.copy_on_write(table[index])
-            assert written is not None
-            fresh, copy = written
-            assert copy is not None
-            table[index] = fresh
-            replaced.append((index, fresh))
-            if index * bs < length:  # a block it has written nothing into needs no copy
-                copies.append(copy)
-        new = allocator.allocate(num_new)
-        assert new is not None
-        table.extend(new)
-        seq.num_tokens = new_len
-        seq.writable_len = len(table) * bs
-        if not new and not replaced:
-            return NO_GROWTH
-        return Growth(tuple(new), tuple(replaced), tuple(copies))
+        return grow_forked(seq, new_len, max(0, num_new), bs, self.allocator, self._evict_for)
 
     def _evict_for(self, num_blocks: int) -> bool:
         """Make `num_blocks` blocks free by evicting (a batch at least), or change nothing and

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 
 from radixkv.kvcache.ids import BlockId
 from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, common_prefix_tokens, decode_tokens
@@ -101,6 +101,63 @@ class RadixNode:
             if common > best:
                 best_key, best = neighbours[1], common
         return self.children[best_key], best
+
+    def holds_prefix(self, query: TokenKey) -> bool:
+        """True if some child's first block starts with `query` (a partial block's tokens)."""
+        keys = self.child_keys
+        index = bisect_left(keys, query)
+        return index < len(keys) and keys[index].startswith(query)
+
+    def add_child(self, child: RadixNode, block_bytes: int) -> None:
+        self.children[child.key] = child
+        insort(self.child_keys, child.key)
+        if len(child.key) < block_bytes:
+            self.num_partial_children += 1
+
+    def remove_child(self, child: RadixNode, block_bytes: int) -> None:
+        del self.children[child.key]
+        keys = self.child_keys
+        index = bisect_left(keys, child.key)
+        assert keys[index] == child.key, "child key missing from child_keys"
+        del keys[index]
+        if len(child.key) < block_bytes:
+            self.num_partial_children -= 1
+
+    def fill_partial_child(
+        self, child_key: TokenKey, block_id: BlockId, block_bytes: int
+    ) -> RadixNode | None:
+        """The partial leaf child that holds `block_id` with fewer tokens than `child_key`, if
+        any, now holding all of `child_key` (the block has them: its holder wrote them, and
+        any other holder copies it before writing)."""
+        for size in range(TOKEN_BYTES, len(child_key), TOKEN_BYTES):
+            leaf = self.children.get(child_key[:size])
+            if leaf is not None and leaf.block_ids[0] == block_id:
+                self.remove_child(leaf, block_bytes)
+                leaf.key = leaf.tokens = child_key
+                self.add_child(leaf, block_bytes)
+                return leaf
+        return None
+
+    def split(self, num_blocks: int, block_size: int, stamp: int) -> RadixNode:
+        """Cut this node after its first `num_blocks` blocks; returns the new upper node
+        (stamped `stamp`, with this node's lock count). This object keeps the lower part, so
+        locks held on it still cover its path."""
+        block_bytes = block_size * TOKEN_BYTES
+        at = num_blocks * block_bytes
+        parent = self.parent
+        assert parent is not None and 0 < at < len(self.tokens)
+        upper = RadixNode(
+            parent, self.key, self.start, self.tokens[:at], self.block_ids[:num_blocks], stamp
+        )
+        upper.lock_count = self.lock_count
+        parent.children[self.key] = upper
+        self.parent = upper
+        self.start += num_blocks * block_size
+        self.tokens = self.tokens[at:]
+        self.block_ids = self.block_ids[num_blocks:]
+        self.key = self.tokens[:block_bytes]
+        upper.add_child(self, block_bytes)
+        return upper
 
     def is_below(self, ancestor: RadixNode) -> bool:
         """True if `ancestor` is this node or on its path to the root."""

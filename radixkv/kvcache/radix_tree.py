@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
 
 from radixkv.kvcache.block_allocator import BlockAllocator
 from radixkv.kvcache.errors import InvalidTokensError
 from radixkv.kvcache.eviction import LRUOrder
 from radixkv.kvcache.ids import BlockId, Salt
-from radixkv.kvcache.insert_result import InsertResult
+from radixkv.kvcache.insert_result import InsertResult, note_duplicates
 from radixkv.kvcache.invariants import check_tree_invariants
-from radixkv.kvcache.prefix_match import PrefixMatch
+from radixkv.kvcache.prefix_match import NO_MATCH, PrefixMatch, longest_prefix
 from radixkv.kvcache.radix_node import RadixNode
 from radixkv.kvcache.token_key import (
     TOKEN_BYTES,
     TokenKey,
-    common_prefix_tokens,
     encode_tokens,
     num_equal_blocks,
 )
-
-_NO_MATCH = PrefixMatch([], None, 0, 0, None, 0)
 
 
 class RadixTree:
@@ -83,63 +79,11 @@ class RadixTree:
 
     def match_key(self, key: TokenKey, salt: Salt, max_tokens: int | None = None) -> PrefixMatch:
         """`match_prefix` of a packed key."""
-        node = self._roots.get(salt)
+        root = self._roots.get(salt)
         n = len(key) if max_tokens is None else min(len(key), max_tokens * TOKEN_BYTES)
-        if node is None or n <= 0:
-            return _NO_MATCH
-        bb = self._block_bytes
-        block_ids: list[BlockId] = []
-        deepest: RadixNode | None = None
-        pos = 0  # bytes
-        while pos < n:
-            if not node.children:
-                break
-            end = pos + bb
-            if end <= n:
-                query = key[pos:end]
-                child = node.children.get(query)
-            else:
-                query = key[pos:n]
-                child = None
-            if child is None:
-                child, num_common = node.child_sharing_longest_prefix(query)
-                if num_common:
-                    return PrefixMatch(
-                        block_ids, child.block_ids[0], num_common,
-                        pos // TOKEN_BYTES + num_common, child, 1,
-                    )
-                break
-            child_tokens = child.tokens
-            child_len = len(child_tokens)
-            if pos + child_len <= n and key.startswith(child_tokens, pos):
-                num_full = child_len // bb
-                if num_full * bb == child_len:
-                    block_ids.extend(child.block_ids)
-                    node = deepest = child
-                    pos += child_len
-                    continue
-                # a partial leaf matches to its end: its last block can only be copied
-                block_ids.extend(child.block_ids[:num_full])
-                return PrefixMatch(
-                    block_ids, child.block_ids[num_full], (child_len - num_full * bb)
-                    // TOKEN_BYTES, (pos + child_len) // TOKEN_BYTES, child, num_full + 1,
-                )
-            # the match ends inside `child`
-            num_equal = num_equal_blocks(key, pos, n, child_tokens, bb)
-            block_ids.extend(child.block_ids[:num_equal])
-            offset = num_equal * bb
-            pos += offset
-            num_common = common_prefix_tokens(
-                key[pos : min(n, pos + bb)], child_tokens[offset : offset + bb]
-            )
-            if num_common:
-                return PrefixMatch(
-                    block_ids, child.block_ids[num_equal], num_common,
-                    pos // TOKEN_BYTES + num_common, child, num_equal + 1,
-                )
-            return PrefixMatch(block_ids, None, 0, pos // TOKEN_BYTES, child, num_equal)
-        num_node_blocks = len(deepest.block_ids) if deepest is not None else 0
-        return PrefixMatch(block_ids, None, 0, pos // TOKEN_BYTES, deepest, num_node_blocks)
+        if root is None or n <= 0:
+            return NO_MATCH
+        return longest_prefix(root, key, n, self._block_bytes)
 
     # ------------------------------------------------------------------------------ insert
 
@@ -222,10 +166,10 @@ class RadixTree:
             query = key[pos:end]
             child = node.children.get(query)
             if child is None:
-                if end > n and self._holds_prefix(node, query):
+                if end > n and node.holds_prefix(query):
                     break  # a fuller block already holds our partial tail
                 if node.num_partial_children:
-                    grown = self._grow_partial_leaf(node, query, block_ids[pos // bb])
+                    grown = node.fill_partial_child(query, block_ids[pos // bb], bb)
                     if grown is not None:  # we wrote more tokens into a block cached partially
                         deepest = grown
                         if end >= n:
@@ -249,12 +193,12 @@ class RadixTree:
                 and pos + child_len <= n
                 and key.startswith(child_tokens, pos)
             ):
-                _note_duplicates(child.block_ids, block_ids, first, base_block, duplicates)
+                note_duplicates(child.block_ids, block_ids, first, base_block, duplicates)
                 node = deepest = child
                 pos += child_len
                 continue
             num_equal = num_equal_blocks(key, pos, n, child_tokens, bb)
-            _note_duplicates(
+            note_duplicates(
                 child.block_ids[:num_equal], block_ids, first, base_block, duplicates
             )
             deepest = child
@@ -267,7 +211,7 @@ class RadixTree:
                 break  # the child's next block holds our partial tail
             # diverging (or fuller than the child's partial tail): the new leaf hangs at the
             # block boundary, next to what remains of the child
-            node = self._split(child, num_equal)
+            node = child.split(num_equal, bs, self._tick())
         return InsertResult(deepest, base_block + pos // bb, 0, duplicates)
 
     # ------------------------------------------------------------------------ lock, evict
@@ -315,7 +259,7 @@ class RadixTree:
         of a popular block boundary come from one node instead of splitting a new one each.
         """
         if 0 < num_blocks < len(node.block_ids):
-            node = self._split(node, num_blocks)
+            node = node.split(num_blocks, self.block_size, self._tick())
         if len(node.block_ids) == 1 and node.parent is not None:
             node.parent.copy_source = node
         self.lock(node)
@@ -403,11 +347,6 @@ class RadixTree:
         self._clock += 1
         return self._clock
 
-    def _holds_prefix(self, node: RadixNode, query: TokenKey) -> bool:
-        keys = node.child_keys
-        index = bisect_left(keys, query)
-        return index < len(keys) and keys[index].startswith(query)
-
     def _attach(
         self,
         parent: RadixNode,
@@ -433,7 +372,7 @@ class RadixTree:
         )
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
             del self._lru[parent.stamp]
-        self._add_child(parent, leaf)
+        parent.add_child(leaf, self._block_bytes)
         self.num_blocks += len(taken)
         if lock:
             leaf.lock_count = 1
@@ -483,59 +422,10 @@ class RadixTree:
             if leaf is not None and leaf.lock_count == 0:
                 self._remove_leaf(leaf)
 
-    def _grow_partial_leaf(
-        self, parent: RadixNode, child_key: TokenKey, block_id: BlockId
-    ) -> RadixNode | None:
-        """The partial leaf that holds `block_id` with fewer tokens than `child_key`, if any,
-        now holding all of `child_key` (the block has them: its holder wrote them, and any
-        other holder copies it before writing)."""
-        for size in range(TOKEN_BYTES, len(child_key), TOKEN_BYTES):
-            leaf = parent.children.get(child_key[:size])
-            if leaf is not None and leaf.block_ids[0] == block_id:
-                del parent.children[leaf.key]
-                _remove_key(parent.child_keys, leaf.key)
-                parent.num_partial_children -= 1
-                leaf.key = leaf.tokens = child_key
-                self._add_child(parent, leaf)
-                return leaf
-        return None
-
-    def _add_child(self, parent: RadixNode, child: RadixNode) -> None:
-        parent.children[child.key] = child
-        insort(parent.child_keys, child.key)
-        if len(child.key) < self._block_bytes:
-            parent.num_partial_children += 1
-
-    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
-        """Cut `node` after its first `num_blocks` blocks; returns the new upper node.
-
-        The node object keeps the lower part, so locks held on it still cover its path.
-        """
-        bb = self._block_bytes
-        at = num_blocks * bb
-        parent = node.parent
-        assert parent is not None and 0 < at < len(node.tokens)
-        upper = RadixNode(
-            parent, node.key, node.start, node.tokens[:at], node.block_ids[:num_blocks],
-            self._tick(),
-        )
-        upper.lock_count = node.lock_count
-        parent.children[node.key] = upper
-        node.parent = upper
-        node.start += num_blocks * self.block_size
-        node.tokens = node.tokens[at:]
-        node.block_ids = node.block_ids[num_blocks:]
-        node.key = node.tokens[:bb]
-        self._add_child(upper, node)
-        return upper
-
     def _remove_leaf(self, leaf: RadixNode) -> int:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_count == 0
-        del parent.children[leaf.key]
-        _remove_key(parent.child_keys, leaf.key)
-        if len(leaf.key) < self._block_bytes:
-            parent.num_partial_children -= 1
+        parent.remove_child(leaf, self._block_bytes)
         del self._lru[leaf.stamp]
         block_ids = leaf.block_ids
         self.num_blocks -= len(block_ids)
@@ -548,24 +438,3 @@ class RadixTree:
         if parent.parent is not None and not parent.children and parent.lock_count == 0:
             self._lru[parent.stamp] = parent
         return num_freed
-
-
-def _remove_key(keys: list[TokenKey], key: TokenKey) -> None:
-    index = bisect_left(keys, key)
-    assert keys[index] == key, "child key missing from child_keys"
-    del keys[index]
-
-
-def _note_duplicates(
-    tree_block_ids: list[BlockId],
-    block_ids: Sequence[BlockId],
-    first: int,
-    base_block: int,
-    duplicates: list[tuple[int, BlockId]],
-) -> None:
-    ours = list(block_ids[first : first + len(tree_block_ids)])
-    if ours == tree_block_ids:
-        return
-    for offset, tree_block_id in enumerate(tree_block_ids):
-        if ours[offset] != tree_block_id:
-            duplicates.append((base_block + first + offset, tree_block_id))

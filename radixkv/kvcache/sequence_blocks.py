@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from radixkv.kvcache.errors import InvalidTokensError
 from radixkv.kvcache.ids import BlockId, Salt, SeqId
 from radixkv.kvcache.radix_node import RadixNode
-from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey
+from radixkv.kvcache.token_key import TOKEN_BYTES, TokenKey, encode_tokens
 
 
 class SequenceBlocks:
@@ -66,6 +66,26 @@ class SequenceBlocks:
                     f"token_ids[{num_known - 1}] is {token_ids[num_known - 1]}, but this"
                     f" sequence has token {last_known} there: pass the sequence's own tokens"
                 )
+
+    def know(self, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Make `key` hold at least the first `num_tokens` of `token_ids`, which extend the
+        tokens it holds: only tokens beyond it are packed."""
+        num_known = len(self.key) // TOKEN_BYTES
+        if num_tokens > num_known:
+            self.check_extends(token_ids)
+            self.key += encode_tokens(token_ids[num_known:num_tokens])
+
+    def packed(self, token_ids: Sequence[int], start: int, end: int) -> TokenKey:
+        """Tokens start..end of `token_ids` (which extend `key`) packed, reusing `key` (not
+        extended)."""
+        key = self.key
+        num_known = len(key) // TOKEN_BYTES
+        if end <= num_known:
+            return key[start * TOKEN_BYTES : end * TOKEN_BYTES]
+        self.check_extends(token_ids)
+        if start >= num_known:
+            return encode_tokens(token_ids[start:end])
+        return key[start * TOKEN_BYTES :] + encode_tokens(token_ids[num_known:end])
 
     def uses_lock_node(self, block_size: int) -> bool:
         """False when its lock node holds none of its blocks: it was locked only as the

@@ -19,7 +19,7 @@ hits them while the first is still running. `--cache-at-finish-only` skips that,
 sequence only when it finishes. When a grow finds no block, the newest running request is
 preempted (freed with its tokens, requeued at the front, restarted).
 
-Wall-clock time on a shared machine varies from run to run (+-20% here), so the replay runs
+Wall-clock time on a shared VM varies from run to run (up to +-25% here), so the replay runs
 `--repeat` times (default 5), each time on a fresh manager; `requests_per_s` is the median
 run's, every run's rate is listed. The last output line is JSON.
 """

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
 
 from radixkv import envs
 from radixkv.config import SchedulerConfig, kv_blocks_needed
 from radixkv.ipc.protocol import (
     AddRequest,
-    Chunk,
     EngineStats,
-    PromptLogprobs,
     RequestOutput,
     Sample,
     StepInput,
@@ -32,6 +29,7 @@ from radixkv.kvcache import KVCacheManager, SeqId
 from radixkv.scheduler.admission_order import admission_order, waits_for_a_running_prefix
 from radixkv.scheduler.beam import BeamCandidates, BeamSearchGroup
 from radixkv.scheduler.outputs import build_output
+from radixkv.scheduler.prompt_logprobs import collect_prompt_logprobs
 from radixkv.scheduler.request import (
     SEED_MASK,
     FinishReason,
@@ -39,6 +37,7 @@ from radixkv.scheduler.request import (
     RequestError,
     Sequence,
 )
+from radixkv.scheduler.step_input import Inflight, build_step_input
 from radixkv.scheduler.worker_mirror import WorkerMirror
 
 
@@ -61,7 +60,7 @@ class Scheduler:
         self._rng = random.Random()
         self._mirror = WorkerMirror()
         self._outputs: list[RequestOutput] = []
-        self._inflight: list[tuple[Request, Sequence, int, list[Sequence]]] = []
+        self._inflight: list[Inflight] = []
         self._debug = envs.debug()
 
     # ------------------------------------------------------------------ requests in and out
@@ -173,7 +172,7 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         token_budget = self._schedule_running(token_budget)
         self._schedule_waiting(token_budget)
-        return self._build_step_input()
+        return build_step_input(self._step_id, self._inflight, self.kv, self._mirror)
 
     def _schedule_running(self, token_budget: int) -> int:
         for request in list(self.running):
@@ -299,57 +298,6 @@ class Scheduler:
             children.append(child)
         return children
 
-    def _build_step_input(self) -> StepInput:
-        chunks, new_seqs, updates = [], [], []
-        mirror = self._mirror
-        for request, seq, num_tokens, fanout in self._inflight:
-            start = seq.num_computed
-            table = self.kv.block_ids(seq.seq_id)
-            if mirror.knows(seq):
-                updates.extend(mirror.updates(seq, table))
-            else:
-                new_seqs.append(mirror.new_seq(seq, table, seq.token_ids[:start]))
-            for child in fanout:
-                end = start + num_tokens
-                new_seqs.append(
-                    mirror.new_seq(child, self.kv.block_ids(child.seq_id), child.token_ids[:end])
-                )
-            chunks.append(
-                Chunk(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[start : start + num_tokens],
-                    start_pos=start,
-                    sample=start + num_tokens == len(seq.token_ids),
-                    fanout_seq_ids=[c.seq_id for c in fanout],
-                    store_from=seq.store_from if seq.store_from > start else None,
-                    **self._prompt_logprob_targets(request, seq, start, num_tokens),
-                )
-            )
-        return StepInput(
-            step_id=self._step_id,
-            chunks=chunks,
-            new_seqs=new_seqs,
-            block_updates=updates,
-            block_copies=mirror.take_copies(),
-            finished_seq_ids=mirror.take_forgotten(),
-        )
-
-    @staticmethod
-    def _prompt_logprob_targets(
-        request: Request, seq: Sequence, start: int, num_tokens: int
-    ) -> dict[str, Any]:
-        """Chunk fields asking for the logprobs of the prompt tokens after this chunk's
-        positions (position p predicts prompt token p + 1)."""
-        last_prompt_pos = len(request.prompt_token_ids) - 1
-        if seq.index != 0 or request.num_prompt_logprobs_missing == 0 or start >= last_prompt_pos:
-            return {}
-        end = min(start + num_tokens, last_prompt_pos)
-        assert request.sampling is not None and request.sampling.prompt_logprobs is not None
-        return {
-            "logprob_targets": request.prompt_token_ids[start + 1 : end + 1],
-            "num_top_logprobs": request.sampling.prompt_logprobs,
-        }
-
     # --------------------------------------------------------------------------- update
 
     def update(self, output: StepOutput) -> None:
@@ -360,7 +308,7 @@ class Scheduler:
         beam_requests: dict[str, Request] = {}
         for request, seq, num_tokens, fanout in self._inflight:
             if seq.seq_id in prompt_logprobs:
-                _collect_prompt_logprobs(request, seq.num_computed, prompt_logprobs[seq.seq_id])
+                collect_prompt_logprobs(request, seq.num_computed, prompt_logprobs[seq.seq_id])
             seq.num_computed += num_tokens
             for child in fanout:
                 child.num_computed = seq.num_computed
@@ -481,19 +429,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             evicted_blocks=kv.evicted_blocks,
         )
-
-
-def _collect_prompt_logprobs(request: Request, start: int, computed: PromptLogprobs) -> None:
-    """Append what a chunk starting at `start` computed, skipping positions already known
-    (a readmission may recompute a few)."""
-    skip = len(request.prompt_logprobs) - start
-    assert skip >= 0, "prompt logprobs must arrive in order"
-    request.prompt_logprobs += computed.logprobs[skip:]
-    request.prompt_top_logprobs += [
-        list(zip(ids, lps, strict=True))
-        for ids, lps in zip(computed.top_token_ids[skip:], computed.top_logprobs[skip:],
-                            strict=True)
-    ]
 
 
 def _candidates(beam_index: int, sample: Sample) -> BeamCandidates:

@@ -288,10 +288,11 @@ class KVCacheManager:
             )
         num_tokens = len(token_ids) if token_ids is not None else 0
         if token_ids and seq.family is not None and self.enable_prefix_caching:
-            # a forked sequence may insert fewer (never none: see insertable_len)
-            key = seq.packed(token_ids, 0, num_tokens)
+            # a forked sequence may insert fewer (never none: see insertable_len); its tokens
+            # are packed once, into its key, for the insertion below too
+            seq.know(token_ids, num_tokens)
             num_tokens = insertable_len(
-                self.tree, self._seqs, seq, key, num_tokens, self.block_size
+                self.tree, self._seqs, seq, seq.key, num_tokens, self.block_size
             )
         del self._seqs[seq_id]
         tree = self.tree

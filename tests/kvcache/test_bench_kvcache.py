@@ -73,3 +73,24 @@ def test_repeat_must_be_positive(tmp_path: Path) -> None:
         text=True,
     )
     assert done.returncode == 2 and "--repeat must be >= 1" in done.stderr
+
+
+def test_costs_counts_bytecodes_deterministically(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    run("gen", "--out", str(trace), "--num-requests", "20", "--num-system-prompts", "2")
+    costs = Path(__file__).resolve().parents[2] / "bench" / "kvcache_costs.py"
+    args = [sys.executable, str(costs), "--trace", str(trace), "--kv-tokens", "8192",
+            "--max-running", "6", "--opcode-requests", "20", "--alternations", "1",
+            "--timeit-repeat", "1", "--json-out", str(tmp_path / "costs.json")]
+    first = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    again = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert first.startswith("config: ")
+    result, other = json.loads(first.splitlines()[-1]), json.loads(again.splitlines()[-1])
+    assert other == json.loads((tmp_path / "costs.json").read_text())  # the last run's
+    counts = result["bytecodes_per_request"]
+    assert counts == other["bytecodes_per_request"]  # deterministic
+    assert set(counts) == {"cache_prompts", "cache_at_finish_only"}
+    assert all(count > 0 for count in counts.values())
+    assert set(result["grow_ns_per_seq"]) == {"grow", "grow_each"}
+    for rates in result["alternating_requests_per_s"].values():
+        assert len(rates["runs"]) == 1 and rates["median"] == rates["runs"][0] > 0
